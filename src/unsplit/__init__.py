@@ -1,0 +1,23 @@
+"""unsplit: one training step, whatever the schedule.
+
+Every example's randomness comes from its global id (``fold_in(key, id)``),
+losses are normalized over the global batch, and an optional bitwise mode fixes
+every reduction order, so a step gives the same loss and gradients on 1 device,
+on N devices, or as k gradient-accumulation microbatches.
+"""
+
+from unsplit._src.keys import Ids64 as Ids64
+from unsplit._src.keys import example_keys as example_keys
+from unsplit._src.keys import ids64 as ids64
+from unsplit._src.step import Step as Step
+from unsplit._src.step import value_and_grad as value_and_grad
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Ids64",
+    "Step",
+    "example_keys",
+    "ids64",
+    "value_and_grad",
+]
