@@ -1,0 +1,131 @@
+"""Shared benchmark helpers: side-by-side ratios and tables written into the docs.
+
+Absolute times on shared machines are noise; ratios measured side by side in
+one run are not. ``compare`` runs every candidate in alternating order
+(A B C, B C A, ...) for ``repeats`` rounds and reports, per candidate, the
+median time and the median/min/max of its ratio to the baseline *within each
+round*. ``write_table`` replaces the block between two markers in a docs file,
+so the docs always quote the script's latest run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import dataclasses
+import datetime
+import pathlib
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    name: str
+    median_s: float
+    ratio_median: float
+    ratio_min: float
+    ratio_max: float
+
+
+def block(x):
+    """Waits for every array in ``x``."""
+    return jax.block_until_ready(x)
+
+
+def time_once(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    block(fn())
+    return time.perf_counter() - start
+
+
+def compare(
+    candidates: dict[str, Callable[[], object]],
+    *,
+    baseline: str,
+    repeats: int = 7,
+    inner: int = 3,
+    warmup: int = 2,
+) -> list[Result]:
+    """Times each zero-argument callable side by side; ratios are to ``baseline``.
+
+    Each measurement is the mean of ``inner`` back-to-back calls; each round
+    measures every candidate once, in a rotated order, so slow drifts of the
+    machine hit all candidates alike.
+    """
+    names = list(candidates)
+    for _ in range(warmup):
+        for name in names:
+            time_once(candidates[name])
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            fn = candidates[name]
+            times[name].append(sum(time_once(fn) for _ in range(inner)) / inner)
+    results = []
+    for name in names:
+        ratios = [t / b for t, b in zip(times[name], times[baseline], strict=True)]
+        results.append(
+            Result(
+                name=name,
+                median_s=statistics.median(times[name]),
+                ratio_median=statistics.median(ratios),
+                ratio_min=min(ratios),
+                ratio_max=max(ratios),
+            )
+        )
+    return results
+
+
+def compiled_temp_bytes(fn: Callable, *args) -> int:
+    """XLA's compiled temp memory (``compiled.memory_analysis()``) for ``jit(fn)(*args)``."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    analysis = compiled.memory_analysis()
+    return int(analysis.temp_size_in_bytes)
+
+
+def ratio_cell(r: Result) -> str:
+    return f"{r.ratio_median:.2f}x ({r.ratio_min:.2f}-{r.ratio_max:.2f})"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def environment_line() -> str:
+    return (
+        f"Measured {datetime.date.today().isoformat()} on {platform.machine()} "
+        f"({os.cpu_count()} cores), jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"{jax.device_count()} devices."
+    )
+
+
+def write_table(doc: str, marker: str, body: str) -> pathlib.Path:
+    """Replaces the text between ``<!-- marker:start -->`` and ``<!-- marker:end -->``.
+
+    The markers are added at the end of the file the first time.
+    """
+    path = DOCS / doc
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+    text = path.read_text() if path.exists() else ""
+    block_text = f"{start}\n{body.strip()}\n\n{environment_line()}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block_text + tail
+    else:
+        text = text.rstrip() + ("\n\n" if text else "") + block_text + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
