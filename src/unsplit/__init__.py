@@ -6,6 +6,7 @@ every reduction order, so a step gives the same loss and gradients on 1 device,
 on N devices, or as k gradient-accumulation microbatches.
 """
 
+from unsplit._src.distributed import global_batch as global_batch
 from unsplit._src.keys import Ids64 as Ids64
 from unsplit._src.keys import example_keys as example_keys
 from unsplit._src.keys import ids64 as ids64
@@ -18,6 +19,7 @@ __all__ = [
     "Ids64",
     "Step",
     "example_keys",
+    "global_batch",
     "ids64",
     "value_and_grad",
 ]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import distributed
 from unsplit._src import keys as keys_lib
 from unsplit._src import validate
 
@@ -140,6 +141,8 @@ class Step:
         batch_size = validate.batch_size(batch)
         validate.check_schedule(batch_size, self.num_devices, self.microbatches, self.mesh)
         keys_lib.check_key(key)
+        if jax.process_count() > 1 and not isinstance(key, jax.core.Tracer):
+            distributed.check_same_key(key)
         ids = validate.ids_words(ids, batch_size)
         return self._impl(params, batch, key, ids)
 
