@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from unsplit._src import distributed
+from unsplit._src import distributed, validate
 from unsplit._src import keys as keys_lib
-from unsplit._src import validate
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
 
