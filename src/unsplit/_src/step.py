@@ -253,7 +253,14 @@ def _zeros(aval: jax.ShapeDtypeStruct, axis: str | None) -> jax.Array:
 
 def _accumulation_dtype(x: jax.Array) -> jax.Array:
     # Low-precision grads (bf16 params) are summed in float32, cast back once at the end.
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return x.astype(wide_float(x.dtype))
+
+
+def wide_float(dtype: Any) -> Any:
+    """float32 for narrower floats (bf16, f16), the dtype itself otherwise."""
+    dtype = jnp.dtype(dtype)
+    narrow = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+    return jnp.dtype(jnp.float32) if narrow else dtype
 
 
 def _place(mesh: jax.sharding.Mesh, spec: P, tree: Any) -> Any:

@@ -53,7 +53,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Causal language model over ``tokens: int[L]`` -> logits ``float[L, vocab]``."""
+    """Causal language model over ``tokens: int[L]`` -> logits ``float[L, vocab]``.
+
+    Leading batch axes (``int[B, L]``) work too, as the naive batch-level
+    baselines in tests and benchmarks need.
+    """
 
     config: TransformerConfig
     dropout_cls: Any = nn.Dropout
@@ -63,7 +67,9 @@ class Transformer(nn.Module):
         c = self.config
         x = nn.Embed(c.vocab, c.width)(tokens)
         pos = self.param("pos", nn.initializers.normal(0.02), (c.length, c.width))
-        x = x + pos[: tokens.shape[-1]]
+        length = tokens.shape[-1]
+        # Explicit broadcast so a batched call (B, L) also works under strict rank promotion.
+        x = x + pos[:length].reshape((1,) * (x.ndim - 2) + (length, c.width))
         x = self.dropout_cls(c.dropout, deterministic=not train)(x)
         for _ in range(c.layers):
             x = Block(c, self.dropout_cls)(x, train=train)

@@ -168,10 +168,13 @@ def _scalar(x: Any, what: str, floating: bool = True) -> jax.Array:
 
 
 def _float32(x: jax.Array) -> jax.Array:
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    narrow = x.dtype.itemsize < 4
+    return x.astype(jnp.float32) if narrow else x
 
 
 def _describe(out: Any) -> str:
     if isinstance(out, tuple | list):
         return f"a {type(out).__name__} of length {len(out)}"
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return f"an array of shape {tuple(out.shape)} and dtype {out.dtype}"
     return f"{type(out).__name__} of shape {np.shape(out)}"

@@ -1,0 +1,138 @@
+"""Tests for the rule: example keys are fold_in(key, id), 64-bit ids, refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import unsplit
+
+KEY = jax.random.key(1234)
+
+
+def key_bits(keys):
+    return np.asarray(jax.random.key_data(keys))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32, jnp.int16, jnp.uint8])
+def test_equals_fold_in_below_2_32(dtype):
+    top = np.iinfo(np.dtype(dtype)).max
+    ids = np.array([0, 1, 2, 7, 100, top], dtype=np.dtype(dtype))
+    got = key_bits(unsplit.example_keys(KEY, jnp.asarray(ids)))
+    want = np.stack([key_bits(jax.random.fold_in(KEY, int(i))) for i in ids])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_equals_fold_in_for_largest_uint32_id():
+    ids = np.array([2**32 - 1, 2**31, 2**31 - 1], dtype=np.uint32)
+    got = key_bits(unsplit.example_keys(KEY, ids))
+    want = np.stack([key_bits(jax.random.fold_in(KEY, jnp.uint32(i))) for i in ids])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_any_ids_shape():
+    ids = jnp.arange(24).reshape(2, 3, 4)
+    keys = unsplit.example_keys(KEY, ids)
+    assert keys.shape == (2, 3, 4)
+    np.testing.assert_array_equal(key_bits(keys[1, 2, 3]), key_bits(jax.random.fold_in(KEY, 23)))
+    assert unsplit.example_keys(KEY, jnp.zeros((0,), jnp.int32)).shape == (0,)
+    assert unsplit.example_keys(KEY, 5).shape == ()
+
+
+def test_golden_bits_pinned():
+    # If a JAX upgrade changes threefry or fold_in, every user's noise changes: fail loudly.
+    got = key_bits(unsplit.example_keys(jax.random.key(0), jnp.array([0, 1, 2**20])))
+    want = np.array(
+        [[1797259609, 2579123966], [928981903, 3453687069], [2652788359, 1597282999]],
+        dtype=np.uint32,
+    )
+    np.testing.assert_array_equal(got, want)
+    wide = key_bits(unsplit.example_keys(jax.random.key(0), unsplit.ids64([2**40 + 3])))
+    np.testing.assert_array_equal(wide, np.array([[2684835162, 807106035]], dtype=np.uint32))
+
+
+def test_64_bit_ids_from_numpy_without_x64():
+    assert not jax.config.jax_enable_x64
+    ids = np.array([5, 2**32 + 5, 2**40 + 5, 2**63 - 1], dtype=np.int64)
+    keys = key_bits(unsplit.example_keys(KEY, ids))
+    assert len({tuple(k) for k in keys}) == 4  # the high word is not dropped
+    np.testing.assert_array_equal(keys[0], key_bits(jax.random.fold_in(KEY, 5)))
+    np.testing.assert_array_equal(keys, key_bits(unsplit.example_keys(KEY, unsplit.ids64(ids))))
+
+
+def test_64_bit_ids_distinct_on_a_dense_grid():
+    # Ids that share the low word but differ in the high word, and vice versa.
+    lo = np.arange(256, dtype=np.uint64)
+    hi = np.arange(256, dtype=np.uint64) << np.uint64(32)
+    ids = (lo[:, None] + hi[None, :]).reshape(-1)
+    keys = key_bits(unsplit.example_keys(KEY, ids))
+    assert len({tuple(k) for k in keys}) == ids.size
+
+
+def test_ids64_inside_jit():
+    ids = unsplit.ids64(np.array([1, 2**35], dtype=np.int64))
+    jitted = jax.jit(unsplit.example_keys)
+    np.testing.assert_array_equal(
+        key_bits(jitted(KEY, ids)), key_bits(unsplit.example_keys(KEY, ids))
+    )
+    np.testing.assert_array_equal(
+        key_bits(jitted(KEY, ids)[0]), key_bits(jax.random.fold_in(KEY, 1))
+    )
+
+
+def test_traced_int_ids_inside_jit_and_vmap():
+    ids = jnp.arange(6)
+    got = key_bits(jax.jit(unsplit.example_keys)(KEY, ids))
+    want = key_bits(jax.vmap(lambda i: jax.random.fold_in(KEY, i))(ids))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_legacy_raw_key_gives_raw_keys():
+    raw = jax.random.PRNGKey(7)
+    keys = unsplit.example_keys(raw, jnp.arange(3))
+    assert keys.shape == (3, 2) and keys.dtype == jnp.uint32
+    np.testing.assert_array_equal(np.asarray(keys[2]), np.asarray(jax.random.fold_in(raw, 2)))
+
+
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_refuses_rbg_keys(impl):
+    with pytest.raises(TypeError, match=r"rbg.*not give the same bits under vmap.*jax.random.key"):
+        unsplit.example_keys(jax.random.key(0, impl=impl), jnp.arange(2))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [3, np.float32(1.0), jnp.zeros((2,), jnp.float32), jnp.zeros((3,), jnp.uint32)],
+    ids=["int", "float", "float-array", "uint32x3"],
+)
+def test_refuses_non_keys(bad):
+    with pytest.raises(TypeError, match=r"must be a PRNG key made by jax.random.key"):
+        unsplit.example_keys(bad, jnp.arange(2))
+
+
+def test_refuses_key_arrays():
+    with pytest.raises(
+        ValueError, match=r"single key of shape \(\); got a key array of shape \(2,\)"
+    ):
+        unsplit.example_keys(jax.random.split(KEY, 2), jnp.arange(2))
+
+
+@pytest.mark.parametrize(
+    "ids", [jnp.array([0.0, 1.0]), np.array([0.5]), jnp.array([True, False])], ids=str
+)
+def test_refuses_non_integer_ids(ids):
+    with pytest.raises(TypeError, match=r"ids must be an integer array.*got dtype="):
+        unsplit.example_keys(KEY, ids)
+
+
+@pytest.mark.parametrize("ids", [jnp.array([3, -1]), np.array([-5], np.int64), [-1]], ids=str)
+def test_refuses_negative_ids(ids):
+    with pytest.raises(ValueError, match=r"non-negative.*got min\(ids\)=-"):
+        unsplit.example_keys(KEY, ids)
+
+
+def test_refuses_ids_above_2_63():
+    with pytest.raises(ValueError, match=r"at most 2\*\*63 - 1"):
+        unsplit.example_keys(KEY, np.array([2**63], dtype=np.uint64))
+    with pytest.raises(TypeError, match=r"do not fit 64 bits"):
+        unsplit.ids64([2**70])

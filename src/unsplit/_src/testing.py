@@ -1,0 +1,84 @@
+"""Helpers for unsplit's own tests: a small problem, tree distances, the naive schemes.
+
+The naive schemes are written the way users write them today (batch-level
+dropout with one key per device or one key per microbatch), so the tests can
+show that they *do* depend on the schedule while unsplit does not.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from unsplit._src import transformer as tf
+
+CONFIG = tf.TransformerConfig(vocab=32, length=16, width=32, heads=2, layers=1)
+
+
+@functools.cache
+def problem(batch: int = 64, seed: int = 0, config: tf.TransformerConfig = CONFIG):
+    """(model, params, ragged batch) for the small transformer of the tests."""
+    model = tf.Transformer(config)
+    params = tf.init_params(model, seed)
+    data = jax.tree.map(np.asarray, tf.synthetic_batch(config, batch, seed=seed + 1))
+    return model, params, data
+
+
+def rel_l2(a: Any, b: Any) -> float:
+    """Relative L2 distance of two pytrees, over all their leaves together."""
+    la = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(a)]
+    lb = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(b)]
+    num = sum(float(np.sum((x - y) ** 2)) for x, y in zip(la, lb, strict=True))
+    den = sum(float(np.sum(y**2)) for y in lb)
+    return float(np.sqrt(num / max(den, 1e-300)))
+
+
+def bits_equal(a: Any, b: Any) -> bool:
+    """True when two pytrees have the same structure and bit-identical leaves."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    if ta != tb:
+        return False
+    return all(
+        np.asarray(x).dtype == np.asarray(y).dtype
+        and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+def batch_level_loss(model: tf.Transformer):
+    """Flax's usual loss over a (sub-)batch with ONE dropout key: (loss_sum, weight)."""
+
+    def loss(params, batch, key):
+        logits = model.apply({"params": params}, batch["inputs"], rngs={"dropout": key})
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+        return jnp.sum(nll * batch["mask"]), jnp.sum(batch["mask"])
+
+    return loss
+
+
+def naive_value_and_grad(model, params, batch, shard_keys: list[jax.Array]):
+    """The step a naive data-parallel / accumulation loop computes.
+
+    The global batch is cut into ``len(shard_keys)`` contiguous shards (devices
+    or microbatches); shard ``s`` runs batch-level dropout with
+    ``shard_keys[s]``; token losses are normalized by the global token count.
+    """
+    loss = batch_level_loss(model)
+    n = len(shard_keys)
+
+    def total(p):
+        sums, weights = [], []
+        for s, k in enumerate(shard_keys):
+            shard = jax.tree.map(lambda x, s=s: x.reshape(n, -1, *x.shape[1:])[s], batch)
+            ls, w = loss(p, shard, k)
+            sums.append(ls)
+            weights.append(w)
+        return sum(sums) / sum(weights)
+
+    return jax.jit(jax.value_and_grad(total))(params)
