@@ -45,7 +45,7 @@ def bits_equal(a: Any, b: Any) -> bool:
         return False
     return all(
         np.asarray(x).dtype == np.asarray(y).dtype
-        and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+        and np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
         for x, y in zip(la, lb, strict=True)
     )
 
