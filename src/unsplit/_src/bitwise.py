@@ -21,6 +21,7 @@ flags) and for the same ``chunk_size``; see docs/bitwise.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from typing import Any
 
@@ -31,7 +32,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
-from unsplit._src import reduce, step as step_lib, validate
+from unsplit._src import reduce, validate
+from unsplit._src import step as step_lib
 
 DEFAULT_CHUNK = 8
 
@@ -110,20 +112,26 @@ class BitwiseStep:
         devices = _batch_devices(step.mesh)
         per_device = n_chunks // len(devices)
         hi, lo = _id_words(ids, size, step.mesh)
-        local = [(d, dev) for d, dev in enumerate(devices) if dev.process_index == jax.process_index()]
+        local = [
+            (d, dev) for d, dev in enumerate(devices) if dev.process_index == jax.process_index()
+        ]
         shares = _local_shares((batch, hi, lo), step.mesh, devices, local, per_device)
         param_copies = _replicas(params, [dev for _, dev in local])
-        all_blocks = {}
-        for d, dev in local:
+
+        def device_blocks(d, dev):
             acc = reduce.Accumulator(_add)
-            p = param_copies[dev]
-            k = jax.device_put(key, dev)
+            p, k = param_copies[dev], jax.device_put(key, dev)
             leaves, treedef = jax.tree.flatten(shares[d])
             parts = [_unstack(x, per_device) for x in leaves]
             for i in range(per_device):
                 b, h, l = jax.tree.unflatten(treedef, [part[i] for part in parts])
                 acc.push(d * per_device + i, self.chunk_program(p, b, k, h, l))
-            all_blocks[d] = acc.blocks
+            return d, acc.blocks
+
+        # One dispatching thread per device: devices run (and, on the first call, compile
+        # the same chunk program) in parallel.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(local)) as pool:
+            all_blocks = dict(pool.map(lambda item: device_blocks(*item), local))
         loss, grads, weight = self._finish(params, all_blocks, devices, per_device, n_chunks)
         if step.weighted:
             validate.check_total_weight(weight)
@@ -131,7 +139,9 @@ class BitwiseStep:
 
     def _finish(self, params, all_blocks, devices, per_device, n_chunks):
         """Gathers every device's blocks and adds them in the canonical tree order."""
-        layout = [reduce.aligned_blocks(d * per_device, (d + 1) * per_device) for d in range(len(devices))]
+        layout = [
+            reduce.aligned_blocks(d * per_device, (d + 1) * per_device) for d in range(len(devices))
+        ]
         slots = max(len(b) for b in layout)
         mesh = jax.sharding.Mesh(np.array(devices), ("chunks",))
         sample = next(iter(next(iter(all_blocks.values())).values()))
@@ -206,8 +216,12 @@ def _id_words(ids, size, mesh):
         return ids.hi, ids.lo
     if mesh is not None and jax.process_count() > 1:
         sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
-        lo = jax.make_array_from_callback((size,), sharding, lambda idx: np.arange(size, dtype=np.uint32)[idx])
-        hi = jax.make_array_from_callback((size,), sharding, lambda idx: np.zeros(size, np.uint32)[idx])
+        lo = jax.make_array_from_callback(
+            (size,), sharding, lambda idx: np.arange(size, dtype=np.uint32)[idx]
+        )
+        hi = jax.make_array_from_callback(
+            (size,), sharding, lambda idx: np.zeros(size, np.uint32)[idx]
+        )
         return hi, lo
     return np.zeros(size, np.uint32), np.arange(size, dtype=np.uint32)
 
@@ -229,7 +243,9 @@ def _local_shares(tree, mesh, devices, local, per_device):
         for d, dev in local:
             piece = by_start.get((d * rows, dev))
             if piece is None:
-                piece = jax.device_put(_host_rows(leaf, d * rows, (d + 1) * rows, by_start, rows), dev)
+                piece = jax.device_put(
+                    _host_rows(leaf, d * rows, (d + 1) * rows, by_start, rows), dev
+                )
             shares[d].append(piece)
     return {d: jax.tree.unflatten(treedef, parts) for d, parts in shares.items()}
 

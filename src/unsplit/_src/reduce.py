@@ -68,7 +68,9 @@ class Accumulator:
         if self._stack:
             (lo, size), _ = self._stack[-1]
             if lo + size != index:
-                raise ValueError(f"chunks must be pushed in order: expected {lo + size}, got {index}")
+                raise ValueError(
+                    f"chunks must be pushed in order: expected {lo + size}, got {index}"
+                )
         block, value = (index, 1), value
         while self._stack:
             (lo, size), left = self._stack[-1]

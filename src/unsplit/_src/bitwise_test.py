@@ -1,0 +1,152 @@
+"""Bitwise mode: bit-identical loss and grads for every (devices, microbatches) schedule."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh
+
+import unsplit
+from unsplit._src import testing
+from unsplit._src import transformer as tf
+
+KEY = jax.random.fold_in(jax.random.key(0), 11)
+MODEL, PARAMS, BATCH = testing.problem()
+# One loss function object for the whole module: the chunk program is compiled once per
+# (loss_fn, device) and shared by every Step built from it.
+WEIGHTED = tf.token_loss(MODEL)
+UNWEIGHTED = tf.mean_loss(MODEL)
+
+
+def mesh_of(devices, axis_type=AxisType.Explicit):
+    if devices == 1:
+        return None
+    return jax.make_mesh((devices,), ("data",), axis_types=(axis_type,))
+
+
+def run(devices, microbatches, *, weighted=True, chunk_size=None, batch=BATCH, mesh=None, ids=None):
+    step = unsplit.value_and_grad(
+        WEIGHTED if weighted else UNWEIGHTED,
+        weighted=weighted,
+        microbatches=microbatches,
+        mesh=mesh if mesh is not None else mesh_of(devices),
+        bitwise=True,
+        chunk_size=chunk_size,
+    )
+    return step(PARAMS, batch, KEY, ids=ids)
+
+
+@functools.cache
+def reference(weighted=True, chunk_size=None):
+    return run(1, 1, weighted=weighted, chunk_size=chunk_size)
+
+
+# chunk_size=1 lets every schedule of the full grid have whole chunks per microbatch.
+@pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_full_grid_is_bit_identical(devices, microbatches):
+    out = run(devices, microbatches, chunk_size=1)
+    assert testing.bits_equal(out, reference(chunk_size=1))
+
+
+@pytest.mark.parametrize("devices,microbatches", [(1, 8), (2, 4), (4, 2), (8, 1), (2, 1), (1, 2)])
+def test_default_chunk_size_grid_is_bit_identical(devices, microbatches):
+    assert testing.bits_equal(run(devices, microbatches), reference())
+
+
+@pytest.mark.parametrize("devices,microbatches", [(2, 2), (8, 1)])
+def test_unweighted_is_bit_identical(devices, microbatches):
+    assert testing.bits_equal(run(devices, microbatches, weighted=False), reference(weighted=False))
+
+
+def test_bitwise_is_close_to_default_mode():
+    loss, grads = reference()
+    d_loss, d_grads = unsplit.value_and_grad(WEIGHTED, weighted=True)(PARAMS, BATCH, KEY)
+    assert abs(float(loss) - float(d_loss)) <= 1e-5 * abs(float(d_loss))
+    assert testing.rel_l2(grads, d_grads) <= 1e-5
+
+
+def test_negative_control_default_mode_is_not_bit_identical():
+    # Without a fixed reduction order the bits do depend on the schedule (psum order,
+    # batch-size-dependent matmuls). If this ever passes trivially, bitwise mode's
+    # tests above would prove nothing.
+    default = [
+        unsplit.value_and_grad(WEIGHTED, weighted=True, microbatches=k, mesh=mesh_of(n))(
+            PARAMS, BATCH, KEY
+        )
+        for n, k in [(1, 1), (1, 8), (8, 1), (2, 4)]
+    ]
+    assert not all(testing.bits_equal(out, default[0]) for out in default[1:])
+
+
+def test_uneven_chunk_counts_and_three_devices():
+    # 48 examples, chunks of 8: 6 chunks, i.e. shares of 3 chunks that are not aligned subtrees.
+    batch = jax.tree.map(lambda x: x[:48], BATCH)
+    ref = run(1, 1, batch=batch)
+    three = Mesh(np.array(jax.devices()[:3]), ("data",))
+    six = Mesh(np.array(jax.devices()[:6]), ("data",))
+    assert testing.bits_equal(run(2, 1, batch=batch), ref)
+    assert testing.bits_equal(run(2, 3, batch=batch, chunk_size=8), ref)
+    assert testing.bits_equal(run(3, 1, batch=batch, mesh=three), ref)
+    assert testing.bits_equal(run(6, 1, batch=batch, mesh=six), ref)
+
+
+def test_shuffled_with_ids_matches_in_value_and_auto_axes():
+    perm = np.random.default_rng(0).permutation(64)
+    shuffled = jax.tree.map(lambda x: x[perm], BATCH)
+    out = run(4, 2, batch=shuffled, ids=perm, mesh=mesh_of(4, AxisType.Auto))
+    # Another order of examples is another chunking: equal in value, not in bits.
+    assert testing.rel_l2(out[1], reference()[1]) <= 1e-5
+    again = run(2, 1, batch=shuffled, ids=perm)
+    assert testing.bits_equal(out, again)
+
+
+def test_grads_are_replicated_on_the_mesh_and_keep_structure():
+    mesh = mesh_of(4)
+    loss, grads = run(4, 1, mesh=mesh)
+    leaf = jax.tree.leaves(grads)[0]
+    assert leaf.sharding.is_fully_replicated and set(leaf.devices()) == set(mesh.devices.flat)
+    assert jax.tree.structure(grads) == jax.tree.structure(PARAMS)
+    assert loss.dtype == jnp.float32
+
+
+def test_second_call_does_not_retrace():
+    traces = []
+
+    def counting(p, ex, k):
+        traces.append(1)
+        return WEIGHTED(p, ex, k)
+
+    step = unsplit.value_and_grad(counting, weighted=True, mesh=mesh_of(2), bitwise=True)
+    step(PARAMS, BATCH, KEY)
+    first = len(traces)
+    step(PARAMS, BATCH, jax.random.fold_in(KEY, 1))
+    assert first > 0 and len(traces) == first
+
+
+def test_schedule_that_cannot_be_canonical_is_an_error():
+    with pytest.raises(
+        ValueError,
+        match=r"whole number of chunks per microbatch.*= 4 examples per microbatch, not a multiple of chunk_size=8",
+    ):
+        run(8, 2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_bad_chunk_size(bad):
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive int"):
+        unsplit.value_and_grad(WEIGHTED, weighted=True, bitwise=True, chunk_size=bad)
+
+
+def test_refuses_to_run_inside_jit():
+    step = unsplit.value_and_grad(WEIGHTED, weighted=True, bitwise=True)
+    with pytest.raises(TypeError, match=r"bitwise=True cannot run inside jax.jit"):
+        jax.jit(step)(PARAMS, BATCH, KEY)
+
+
+def test_zero_total_weight_in_bitwise_mode():
+    empty = dict(BATCH, mask=np.zeros_like(BATCH["mask"]))
+    with pytest.raises(ValueError, match=r"total weight of the global batch is 0"):
+        run(2, 1, batch=empty)
