@@ -124,8 +124,8 @@ class BitwiseStep:
             leaves, treedef = jax.tree.flatten(shares[d])
             parts = [_unstack(x, per_device) for x in leaves]
             for i in range(per_device):
-                b, h, l = jax.tree.unflatten(treedef, [part[i] for part in parts])
-                acc.push(d * per_device + i, self.chunk_program(p, b, k, h, l))
+                b, hi_i, lo_i = jax.tree.unflatten(treedef, [part[i] for part in parts])
+                acc.push(d * per_device + i, self.chunk_program(p, b, k, hi_i, lo_i))
             return d, acc.blocks
 
         # One dispatching thread per device: devices run (and, on the first call, compile

@@ -1,5 +1,7 @@
 """The canonical tree: any contiguous split of the chunks gives the same order of adds."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -21,7 +23,7 @@ def canonical(n):
 def split_sum(n, cuts):
     bounds = [0, *cuts, n]
     blocks = {}
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+    for a, b in itertools.pairwise(bounds):
         acc = reduce.Accumulator(expr)
         for g in range(a, b):
             acc.push(g, f"c{g}")
