@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
@@ -143,7 +143,9 @@ class BitwiseStep:
             reduce.aligned_blocks(d * per_device, (d + 1) * per_device) for d in range(len(devices))
         ]
         slots = max(len(b) for b in layout)
-        mesh = jax.sharding.Mesh(np.array(devices), ("chunks",))
+        user = self.step.mesh
+        # Combine on the user's mesh when it is 1-D, so grads land where the params live.
+        mesh = user if user is not None and user.devices.ndim == 1 else _line_mesh(devices)
         sample = next(iter(next(iter(all_blocks.values())).values()))
         stacked = []
         for d, blocks in all_blocks.items():
@@ -153,43 +155,49 @@ class BitwiseStep:
         global_blocks = jax.tree.map(
             lambda *parts: jax.make_array_from_single_device_arrays(
                 (len(devices), *parts[0].shape[1:]),
-                NamedSharding(mesh, P("chunks")),
+                NamedSharding(mesh, P(mesh.axis_names[0])),
                 list(parts),
             ),
             *stacked,
         )
-        finish = self._finisher(mesh, tuple(map(tuple, layout)), slots, n_chunks)
-        loss, grads, weight = finish(params, global_blocks)
-        if self.step.mesh is not None and self.step.mesh.devices.size != len(devices):
-            replicated = NamedSharding(self.step.mesh, P())
-            loss, grads, weight = jax.device_put((loss, grads, weight), replicated)
+        dtypes = jax.tree.map(lambda p: jnp.dtype(jnp.result_type(p)), params)
+        finish = self._finisher(mesh, tuple(map(tuple, layout)), slots, n_chunks, dtypes)
+        loss, grads, weight = finish(global_blocks)
+        if user is None:  # plain single-device arrays, like the default mode's
+            return jax.tree.map(lambda x: x.addressable_data(0), (loss, grads, weight))
+        if mesh is not user:
+            loss, grads, weight = jax.device_put((loss, grads, weight), NamedSharding(user, P()))
         return loss, grads, weight
 
-    def _finisher(self, mesh, layout, slots, n_chunks):
-        cache_key = (tuple(mesh.devices.flat), layout, slots, n_chunks)
+    def _finisher(self, mesh, layout, slots, n_chunks, dtypes):
+        leaves, treedef = jax.tree.flatten(dtypes)
+        cache_key = (tuple(mesh.devices.flat), layout, slots, n_chunks, treedef, tuple(leaves))
         if cache_key in self._finishers:
             return self._finishers[cache_key]
 
+        axis = mesh.axis_names[0]
+
         def gathered(blocks):
-            everyone = jax.tree.map(lambda x: jax.lax.all_gather(x, "chunks", tiled=True), blocks)
+            everyone = jax.tree.map(lambda x: jax.lax.all_gather(x, axis, tiled=True), blocks)
             named = {}
             for d, device_blocks in enumerate(layout):
                 for j, b in enumerate(device_blocks):
                     named[b] = jax.tree.map(lambda x, d=d, j=j: x[d, j], everyone)
             return reduce.combine(named, n_chunks, lambda a, b: jax.tree.map(jnp.add, a, b))
 
-        def finish(params, blocks):
+        def finish(blocks):
             # Every device adds the same gathered blocks in the same order: truly replicated.
             total = jax.shard_map(
-                gathered, mesh=mesh, in_specs=P("chunks"), out_specs=P(), check_vma=False
+                gathered, mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=False
             )(blocks)
             loss_sum, weight, grad_sum = total
-            loss, grads = step_lib.normalize(params, loss_sum, weight, grad_sum)
+            loss, grads = step_lib.normalize(dtypes, loss_sum, weight, grad_sum)
             return loss, grads, weight
 
         replicated = NamedSharding(mesh, P())
-        program = jax.jit(finish, in_shardings=(replicated, NamedSharding(mesh, P("chunks"))),
-                          out_shardings=replicated)  # fmt: skip
+        program = jax.jit(
+            finish, in_shardings=NamedSharding(mesh, P(axis)), out_shardings=replicated
+        )
         self._finishers[cache_key] = program
         return program
 
@@ -201,6 +209,10 @@ def _stack_slots(*values):
 
 def _to(tree, device):
     return jax.tree.map(lambda x: x if x.devices() == {device} else jax.device_put(x, device), tree)
+
+
+def _line_mesh(devices) -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array(devices), ("chunks",), axis_types=(AxisType.Explicit,))
 
 
 def _batch_devices(mesh) -> list:

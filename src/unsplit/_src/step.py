@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import distributed, validate
@@ -194,10 +195,13 @@ def accumulated_sums(step: Step, params, batch, key, ids: keys_lib.Ids64, axis: 
     return sums
 
 
-def normalize(params, loss_sum, weight, grad_sum):
-    """The step loss and gradient: global sums divided once by the global weight."""
+def normalize(like, loss_sum, weight, grad_sum):
+    """The step loss and gradient: global sums divided once by the global weight.
+
+    ``like`` is the params tree (or a tree of their dtypes): grads get its dtypes.
+    """
     loss = loss_sum / weight
-    grads = jax.tree.map(lambda g, p: (g / weight).astype(jnp.result_type(p)), grad_sum, params)
+    grads = jax.tree.map(lambda g, p: (g / weight).astype(_dtype_of(p)), grad_sum, like)
     return loss, grads
 
 
@@ -243,6 +247,10 @@ class _DefaultStep:
         if self.step.weighted:
             validate.check_total_weight(weight)
         return loss, grads
+
+
+def _dtype_of(x: Any) -> Any:
+    return x if isinstance(x, np.dtype) else jnp.result_type(x)
 
 
 def _zeros(aval: jax.ShapeDtypeStruct, axis: str | None) -> jax.Array:

@@ -82,3 +82,70 @@ def naive_value_and_grad(model, params, batch, shard_keys: list[jax.Array]):
         return sum(sums) / sum(weights)
 
     return jax.jit(jax.value_and_grad(total))(params)
+
+
+@functools.cache
+def weighted_loss():
+    """The tests' weighted token loss, one object so compiled chunk programs are shared."""
+    return tf.token_loss(problem()[0])
+
+
+def replicated(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Host values as arrays replicated on every device of ``mesh`` (any process count)."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.P())
+    return jax.tree.map(
+        lambda x: jax.make_array_from_callback(
+            np.shape(x), sharding, lambda idx, x=x: np.asarray(x)[idx]
+        ),
+        tree,
+    )
+
+
+def train(steps: int, microbatches: int, devices: int | None, bitwise: bool, seed: int = 0):
+    """Adam on the tests' problem, step key ``fold_in(seed, step)``; returns host params.
+
+    ``devices=None`` runs without a mesh; otherwise over a mesh of the first
+    ``devices`` devices (all processes' devices in a multi-process run).
+    """
+    import optax
+
+    from unsplit._src.distributed import global_batch
+    from unsplit._src.step import value_and_grad
+
+    _, params, pool = problem(batch=256)
+    batch_size = 64
+    mesh = None if devices is None else jax.make_mesh((devices,), ("data",))
+    step = value_and_grad(
+        weighted_loss(), weighted=True, microbatches=microbatches, mesh=mesh, bitwise=bitwise
+    )
+    opt = optax.adam(1e-2)
+    params = jax.tree.map(np.asarray, params)
+    if mesh is not None:
+        params = replicated(params, mesh)
+    with jax.numpy_dtype_promotion("standard"):
+        state = opt.init(params)
+
+    @jax.jit
+    def update(params, state, grads):
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+    rows = batch_size // jax.process_count()
+    for s in range(steps):
+        start = (s * batch_size) % 256
+        rows_now = jax.tree.map(lambda x, s=start: x[s : s + batch_size], pool)
+        if jax.process_count() > 1:
+            mine = jax.tree.map(lambda x: x[jax.process_index() * rows :][:rows], rows_now)
+            batch, _ = global_batch(mine, mesh)
+        else:
+            batch = rows_now
+        key = jax.random.fold_in(jax.random.key(seed), s)
+        _, grads = step(params, batch, key)
+        params, state = update(params, state, grads)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params)
+
+
+def to_hex(tree: Any) -> list[str]:
+    """Leaves as hex of their bytes: exact, JSON-friendly."""
+    return [np.ascontiguousarray(np.asarray(x)).tobytes().hex() for x in jax.tree.leaves(tree)]

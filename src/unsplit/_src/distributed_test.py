@@ -1,0 +1,120 @@
+"""Many processes: 2 local processes x 2 CPU devices (jax.distributed over gloo)."""
+
+import jax
+import numpy as np
+import pytest
+
+import unsplit
+from unsplit._src import launch, testing
+
+pytestmark = pytest.mark.multiprocess
+TIMEOUT = 240  # seconds per launch; every process is killed when it expires
+KEY_SEED = 5
+
+
+# ---- worker functions: run inside each of the launched processes -------------------
+
+
+def worker_step(microbatches: int, bitwise: bool, skew_key: bool = False):
+    """One step over the 4 global devices; returns loss and grads as exact hex."""
+    _, params, batch = testing.problem()
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    rows = 64 // jax.process_count()
+    mine = jax.tree.map(lambda x: x[jax.process_index() * rows :][:rows], batch)
+    global_rows, ids = unsplit.global_batch(mine, mesh)
+    step = unsplit.value_and_grad(
+        testing.weighted_loss(), weighted=True, microbatches=microbatches, mesh=mesh,
+        bitwise=bitwise,
+    )  # fmt: skip
+    key = jax.random.key(KEY_SEED + (jax.process_index() if skew_key else 0))
+    loss, grads = step(testing.replicated(params, mesh), global_rows, key, ids=ids)
+    host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), (loss, grads))
+    return {"hex": testing.to_hex(host), "ids": np.asarray(ids.addressable_data(0)).tolist()}
+
+
+def worker_train(steps: int, microbatches: int):
+    params = testing.train(steps, microbatches, devices=jax.device_count(), bitwise=True)
+    return {"hex": testing.to_hex(params)}
+
+
+# ---- tests ---------------------------------------------------------------------------
+
+
+def single_process(microbatches=1, bitwise=False):
+    _, params, batch = testing.problem()
+    step = unsplit.value_and_grad(
+        testing.weighted_loss(), weighted=True, microbatches=microbatches, bitwise=bitwise
+    )
+    return step(params, batch, jax.random.key(KEY_SEED))
+
+
+def from_hex(hexes, like):
+    leaves, treedef = jax.tree.flatten(like)
+    arrays = [
+        np.frombuffer(bytes.fromhex(h), np.asarray(x).dtype).reshape(np.shape(x))
+        for h, x in zip(hexes, leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, arrays)
+
+
+def test_launcher_starts_processes_and_collects_results():
+    results = launch.run_local_processes("unsplit._src.launch:describe", timeout_s=TIMEOUT)
+    assert [r["process_index"] for r in results] == [0, 1]
+    assert all(r["devices"] == 4 and r["local_devices"] == 2 for r in results)
+
+
+def test_launcher_reports_a_failing_worker_and_cleans_up():
+    with pytest.raises(launch.LaunchError, match=r"exited with code"):
+        launch.run_local_processes("unsplit._src.launch:no_such_function", timeout_s=TIMEOUT)
+
+
+def test_default_mode_matches_single_process():
+    results = launch.run_local_processes(
+        "unsplit._src.distributed_test:worker_step",
+        kwargs={"microbatches": 2, "bitwise": False},
+        timeout_s=TIMEOUT,
+    )
+    ref = single_process()
+    for r in results:
+        loss, grads = from_hex(r["hex"], ref)
+        assert abs(float(loss) - float(ref[0])) <= 1e-5 * float(ref[0])
+        assert testing.rel_l2(grads, ref[1]) <= 1e-5
+    # global_batch gave each process the ids of its rows' global positions.
+    assert results[0]["ids"] + results[1]["ids"] != []
+    assert sorted(results[0]["ids"]) == results[0]["ids"]
+
+
+def test_bitwise_two_processes_are_bit_identical_to_one_device():
+    results = launch.run_local_processes(
+        "unsplit._src.distributed_test:worker_step",
+        kwargs={"microbatches": 2, "bitwise": True},
+        timeout_s=TIMEOUT,
+    )
+    ref = single_process(bitwise=True)
+    assert results[0]["hex"] == results[1]["hex"]
+    assert testing.bits_equal(from_hex(results[0]["hex"], ref), ref)
+
+
+def test_processes_that_disagree_on_the_key_get_a_clear_error():
+    with pytest.raises(launch.LaunchError, match=r"processes disagree on the step key"):
+        launch.run_local_processes(
+            "unsplit._src.distributed_test:worker_step",
+            kwargs={"microbatches": 1, "bitwise": False, "skew_key": True},
+            timeout_s=TIMEOUT,
+        )
+
+
+def test_fifty_adam_steps_are_bit_identical_across_three_schedules():
+    steps = 50
+    one_device = testing.train(steps, microbatches=8, devices=None, bitwise=True)
+    eight_devices = testing.train(steps, microbatches=1, devices=8, bitwise=True)
+    results = launch.run_local_processes(
+        "unsplit._src.distributed_test:worker_train",
+        kwargs={"steps": steps, "microbatches": 2},
+        timeout_s=TIMEOUT,
+    )
+    assert testing.bits_equal(eight_devices, one_device)
+    for r in results:
+        assert testing.bits_equal(from_hex(r["hex"], one_device), one_device)
+    # The runs really trained: the params moved away from their initial values.
+    assert testing.rel_l2(one_device, testing.problem()[1]) > 1e-3
