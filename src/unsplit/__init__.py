@@ -6,7 +6,10 @@ every reduction order, so a step gives the same loss and gradients on 1 device,
 on N devices, or as k gradient-accumulation microbatches.
 """
 
+from unsplit import linen as linen
+from unsplit import nnx as nnx
 from unsplit._src.distributed import global_batch as global_batch
+from unsplit._src.dropout import dropout as dropout
 from unsplit._src.keys import Ids64 as Ids64
 from unsplit._src.keys import example_keys as example_keys
 from unsplit._src.keys import ids64 as ids64
@@ -18,8 +21,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Ids64",
     "Step",
+    "dropout",
     "example_keys",
     "global_batch",
     "ids64",
+    "linen",
+    "nnx",
     "value_and_grad",
 ]
