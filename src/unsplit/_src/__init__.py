@@ -1,0 +1,1 @@
+"""unsplit internals; the public API is the flat ``unsplit`` namespace."""
