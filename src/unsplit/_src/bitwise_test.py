@@ -12,6 +12,8 @@ import unsplit
 from unsplit._src import testing
 from unsplit._src import transformer as tf
 
+# One xdist worker runs this whole module, so its compiled chunk programs are shared.
+pytestmark = pytest.mark.xdist_group("bitwise")
 KEY = jax.random.fold_in(jax.random.key(0), 11)
 MODEL, PARAMS, BATCH = testing.problem()
 # One loss function object for the whole module: the chunk program is compiled once per
