@@ -152,3 +152,10 @@ def test_zero_total_weight_in_bitwise_mode():
     empty = dict(BATCH, mask=np.zeros_like(BATCH["mask"]))
     with pytest.raises(ValueError, match=r"total weight of the global batch is 0"):
         run(2, 1, batch=empty)
+
+
+def test_two_dimensional_mesh_is_bit_identical_and_replicated():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    out = run(4, 2, mesh=mesh)
+    assert testing.bits_equal(out, reference())
+    assert jax.tree.leaves(out[1])[0].sharding.mesh == mesh

@@ -207,3 +207,12 @@ def test_bf16_params_keep_their_dtype():
     x = jnp.ones((8, 3), jnp.float32)
     loss_value, grads = unsplit.value_and_grad(loss, microbatches=4)(w, x, KEY)
     assert grads.dtype == jnp.bfloat16 and loss_value.dtype == jnp.float32
+
+
+def test_two_dimensional_mesh_splits_the_batch_over_its_first_axis():
+    model, params, batch = testing.problem()
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    step = unsplit.value_and_grad(tf.token_loss(model), weighted=True, microbatches=2, mesh=mesh)
+    loss, grads = step(params, batch, KEY)
+    assert testing.rel_l2(grads, reference(True)[1]) <= TOL
+    assert jax.tree.leaves(grads)[0].sharding.is_fully_replicated
