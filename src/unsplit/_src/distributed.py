@@ -32,7 +32,9 @@ def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, local_ids: Any = Non
 
     Returns:
         ``(batch, ids)``: global ``jax.Array``\\ s sharded over the mesh's first
-        axis. Pass both to the step: ``step(params, batch, key, ids=ids)``.
+        axis (``ids`` is an :class:`Ids64` of two such arrays when a record id
+        exceeds ``2**32 - 1``). Pass both to the step:
+        ``step(params, batch, key, ids=ids)``.
 
     Example:
         >>> import jax, numpy as np, unsplit
@@ -64,12 +66,14 @@ def global_batch(local_batch: Any, mesh: jax.sharding.Mesh, local_ids: Any = Non
                 f"{local_ids.shape}. Fix: pass the record ids of this process's rows."
             )
         hi, lo = keys_lib.id_words(local_ids)  # validates dtype and range
-        if np.asarray(hi).any():
-            raise ValueError(
-                "local_ids above 2**32 - 1 need an Ids64 global batch; pass them as "
-                "unsplit.ids64 words through global_batch's batch argument instead."
-            )
-        local_ids = np.asarray(lo)
+        hi, lo = np.asarray(hi), np.asarray(lo)
+        if hi.any():  # 64-bit record ids: keep both words, exactly
+            words = [
+                jax.make_array_from_process_local_data(sharding, w, (global_rows,))
+                for w in (hi, lo)
+            ]
+            return batch, keys_lib.Ids64(hi=words[0], lo=words[1])
+        local_ids = lo
     ids = jax.make_array_from_process_local_data(
         sharding, local_ids.astype(np.uint32), (global_rows,)
     )
