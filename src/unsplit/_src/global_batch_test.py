@@ -45,7 +45,7 @@ def test_bad_local_ids():
 
 @pytest.mark.parametrize("bitwise", [False, True])
 def test_64_bit_record_ids(bitwise):
-    model, params, data = testing.problem()
+    _, params, data = testing.problem()
     mesh = jax.make_mesh((2,), ("data",))
     records = np.arange(64, dtype=np.int64) + 2**40
     batch, ids = unsplit.global_batch(data, mesh, local_ids=records)
