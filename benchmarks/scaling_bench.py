@@ -66,8 +66,8 @@ FULL = Setup(
     batches=(16, 32, 64),
     microbatches=(1, 2, 4, 8),
     devices=(1, 2, 4, 8),
-    repeats=15,
-    inner=2,
+    repeats=27,
+    inner=1,
     warmup=1,
 )
 QUICK = Setup(
