@@ -245,7 +245,7 @@ def run(setup: Setup) -> Report:
     mem_note = (
         f"unsplit's scan carries the float32 gradient sum ({mib(grad_bytes)} here), which XLA "
         f"counts as temp; MultiSteps keeps its accumulator in the optimizer state (an input "
-        f"and output of its program, so not temp)."
+        f"and output of its program, so not temp)"
     )
     return Report(time_rows, mem_rows, model_text, mem_note, k)
 
