@@ -1,0 +1,133 @@
+"""The demo's embedded dataset: characters of the Python standard library's own source.
+
+Every Python installation carries the source of its standard library, so the
+demo needs no download. The text is a few modules' ``.py`` files (or, where an
+installation ships only bytecode, their docstrings), mapped to a 96-symbol
+character vocabulary. Each training step reads ``batch_size`` windows at
+positions drawn from ``numpy.random.default_rng((seed, step))``, and each
+window gets its own length (the rest is padding with mask 0), so examples
+carry different numbers of tokens and the token weighting of the loss matters.
+
+Everything is a deterministic function of ``(seed, step)`` and the Python
+version's library text.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pathlib
+
+import numpy as np
+
+# Modules whose source makes the corpus (present in every CPython 3.11+).
+MODULES = (
+    "argparse",
+    "json.decoder",
+    "json.encoder",
+    "textwrap",
+    "dataclasses",
+    "functools",
+    "string",
+    "fractions",
+)
+#: Symbols: newline, then printable ASCII (space .. ~). Anything else becomes "?".
+ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
+VOCAB = len(ALPHABET)  # 96, demo_config.VOCAB
+PAD = 0
+_MAX_CHARS = 400_000
+
+
+def corpus_text() -> str:
+    """The demo's text: the listed standard-library modules' source, concatenated.
+
+    Falls back to the modules' docstrings for an installation without ``.py``
+    files, so the demo runs everywhere.
+
+    Example:
+        >>> from unsplit._src import demo_data
+        >>> len(demo_data.corpus_text()) > 10_000
+        True
+    """
+    parts = []
+    for name in MODULES:
+        spec = importlib.util.find_spec(name)
+        origin = getattr(spec, "origin", None)
+        path = pathlib.Path(origin) if origin else None
+        if path is not None and path.suffix == ".py" and path.is_file():
+            parts.append(path.read_text(encoding="utf-8", errors="replace"))
+        else:
+            parts.append(importlib.import_module(name).__doc__ or "")
+    text = "\n".join(parts)[:_MAX_CHARS]
+    if len(text) < 10_000:
+        raise RuntimeError(
+            f"the standard library text for the demo is only {len(text)} characters long "
+            f"(expected the source of {', '.join(MODULES)}). Fix: run with a standard CPython "
+            "installation (python -OO strips docstrings, which the fallback needs)."
+        )
+    return text
+
+
+def encode(text: str) -> np.ndarray:
+    """Characters to token ids in ``[0, VOCAB)`` (tabs become 4 spaces, others "?").
+
+    Example:
+        >>> from unsplit._src import demo_data
+        >>> demo_data.encode("a\\n").tolist()
+        [66, 0]
+    """
+    unknown = ALPHABET.index("?")
+    table = np.full(128, unknown, np.int32)
+    for i, ch in enumerate(ALPHABET):
+        table[ord(ch)] = i
+    codes = np.frombuffer(text.replace("\t", "    ").encode("utf-32-le"), np.uint32)
+    return np.where(codes < 128, table[np.minimum(codes, 127)], unknown).astype(np.int32)
+
+
+def decode(tokens: np.ndarray) -> str:
+    """Token ids back to text."""
+    return "".join(ALPHABET[int(t)] for t in np.asarray(tokens).reshape(-1))
+
+
+class Dataset:
+    """Deterministic ragged batches of character windows, one batch per step.
+
+    Args:
+        batch_size: examples per global batch.
+        length: tokens per example (the model's context length).
+        seed: the data seed; batch ``step`` depends on ``(seed, step)`` only.
+
+    Example:
+        >>> from unsplit._src import demo_data
+        >>> data = demo_data.Dataset(batch_size=4, length=16, seed=0)
+        >>> b = data.batch(3)
+        >>> sorted(b), b["inputs"].shape, b["mask"].dtype.name
+        (['inputs', 'mask', 'targets'], (4, 16), 'float32')
+    """
+
+    def __init__(self, batch_size: int, length: int, seed: int = 0):
+        if batch_size < 1 or length < 4:
+            raise ValueError(
+                f"the demo data needs batch_size >= 1 and length >= 4; got "
+                f"batch_size={batch_size}, length={length}. Fix: pass larger values."
+            )
+        self.tokens = encode(corpus_text())
+        self.batch_size = int(batch_size)
+        self.length = int(length)
+        self.seed = int(seed)
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """The global batch of ``step``: ``{"inputs", "targets": int32[B, L], "mask": float32[B, L]}``.
+
+        Example ``i`` keeps its first ``n_i`` tokens (``n_i`` uniform in
+        ``[L // 4, L]``); the rest is padding (token 0) with mask 0.
+        """
+        rng = np.random.default_rng((self.seed, int(step)))
+        b, n = self.batch_size, self.length
+        starts = rng.integers(0, self.tokens.size - n - 1, size=b)
+        lengths = rng.integers(n // 4, n + 1, size=b)
+        windows = self.tokens[starts[:, None] + np.arange(n + 1)[None, :]]
+        mask = np.arange(n)[None, :] < lengths[:, None]
+        inputs = np.where(mask, windows[:, :-1], PAD).astype(np.int32)
+        targets = np.where(mask, windows[:, 1:], PAD).astype(np.int32)
+        return {"inputs": inputs, "targets": targets, "mask": mask.astype(np.float32)}
