@@ -65,7 +65,15 @@ def run_local_processes(
     """
     port = free_port()
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    # Keep the caller's other XLA flags: they can change the compiled code, and the
+    # processes must compile exactly what the caller would.
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    env["XLA_FLAGS"] = " ".join(flags)
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("JAX_NUM_CPU_DEVICES", None)
     payload = json.dumps(kwargs or {})
