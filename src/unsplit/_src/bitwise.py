@@ -84,6 +84,15 @@ class BitwiseStep:
                 )
         self.chunk_program = _chunk_program(step.loss_fn, step.weighted)
         self._finishers: dict[Any, Any] = {}
+        self._pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+
+    def _pool(self, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+        """A dispatch pool kept across calls (starting threads every step costs ~ms)."""
+        if workers not in self._pools:
+            self._pools[workers] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix="unsplit-bitwise"
+            )
+        return self._pools[workers]
 
     def chunk_size(self, batch: int) -> int:
         return self.step.chunk_size or default_chunk_size(batch)
@@ -129,9 +138,10 @@ class BitwiseStep:
             return d, acc.blocks
 
         # One dispatching thread per device: devices run (and, on the first call, compile
-        # the same chunk program) in parallel.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(local)) as pool:
-            all_blocks = dict(pool.map(lambda item: device_blocks(*item), local))
+        # the same chunk program) in parallel. Always the pool's threads, even for one
+        # device, so every schedule dispatches under the same (thread-local) jax config.
+        pool = self._pool(len(local))
+        all_blocks = dict(pool.map(lambda item: device_blocks(*item), local))
         loss, grads, weight = self._finish(params, all_blocks, devices, per_device, n_chunks)
         if step.weighted:
             validate.check_total_weight(weight)
@@ -146,12 +156,12 @@ class BitwiseStep:
         user = self.step.mesh
         # Combine on the user's mesh when it is 1-D, so grads land where the params live.
         mesh = user if user is not None and user.devices.ndim == 1 else _line_mesh(devices)
-        sample = next(iter(next(iter(all_blocks.values())).values()))
         stacked = []
         for d, blocks in all_blocks.items():
-            values = [blocks[b] for b in layout[d]]
-            values += [jax.tree.map(jnp.zeros_like, sample)] * (slots - len(values))
-            stacked.append(_stack_slots(*[_to(v, devices[d]) for v in values]))
+            values = [_to(blocks[b], devices[d]) for b in layout[d]]
+            if len(values) < slots:  # pad to the same number of slots on every device
+                values += [_zeros_like(values[0])] * (slots - len(values))
+            stacked.append(_stack_slots(*values))
         global_blocks = jax.tree.map(
             lambda *parts: jax.make_array_from_single_device_arrays(
                 (len(devices), *parts[0].shape[1:]),
@@ -200,6 +210,9 @@ class BitwiseStep:
         )
         self._finishers[cache_key] = program
         return program
+
+
+_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
 
 @jax.jit
