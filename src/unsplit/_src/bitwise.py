@@ -11,9 +11,12 @@ What was measured (DESIGN.md) and what this module does about it:
 * Elementwise adds are exactly rounded, so chunk sums are combined by pairwise
   adds in the canonical tree of :mod:`unsplit._src.reduce` over the *global*
   chunk index: each device builds the aligned blocks of its share (a binary
-  counter, O(log chunks) partial sums), then every device gathers all blocks
-  (an ``all_gather``: data movement, exact) and adds them in tree order —
-  never a ``psum``, whose order the backend picks.
+  counter, O(log chunks) partial sums). When every share is one aligned
+  subtree over a power-of-two device count (the usual case), the top of the
+  tree is recursive doubling with ``ppermute``: one extra block per device at a
+  time. Otherwise every device gathers all blocks (an ``all_gather``: data
+  movement, exact) and adds them in tree order. Never a ``psum``, whose order
+  the backend picks.
 
 The guarantee holds on the same hardware and software (JAX, jaxlib, XLA
 flags) and for the same ``chunk_size``; see docs/bitwise.md.
@@ -187,6 +190,24 @@ class BitwiseStep:
 
         axis = mesh.axis_names[0]
 
+        devices = len(layout)
+        doubling = (
+            devices & (devices - 1) == 0
+            and all(len(blocks) == 1 for blocks in layout)
+            and n_chunks & (n_chunks - 1) == 0
+        )
+
+        def doubled(blocks):
+            # Every share is one aligned subtree and the device count a power of two: the
+            # top of the tree is recursive doubling. Round r adds partners d and d ^ 2**r
+            # (IEEE addition is commutative, so both get left + right, bit for bit);
+            # each device holds one extra block at a time, not one per device.
+            x = jax.tree.map(lambda a: a[0, 0], blocks)
+            for r in range(devices.bit_length() - 1):
+                perm = [(d, d ^ (1 << r)) for d in range(devices)]
+                x = jax.tree.map(jnp.add, x, jax.lax.ppermute(x, axis, perm))
+            return x
+
         def gathered(blocks):
             everyone = jax.tree.map(lambda x: jax.lax.all_gather(x, axis, tiled=True), blocks)
             named = {}
@@ -198,7 +219,11 @@ class BitwiseStep:
         def finish(blocks):
             # Every device adds the same gathered blocks in the same order: truly replicated.
             total = jax.shard_map(
-                gathered, mesh=mesh, in_specs=P(axis), out_specs=P(), check_vma=False
+                doubled if doubling else gathered,
+                mesh=mesh,
+                in_specs=P(axis),
+                out_specs=P(),
+                check_vma=False,
             )(blocks)
             loss_sum, weight, grad_sum = total
             loss, grads = step_lib.normalize(dtypes, loss_sum, weight, grad_sum)
