@@ -608,14 +608,7 @@ def print_tables(out) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (smoke run)")
-    parser.add_argument(
-        "--write",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="write the tables into docs/benchmarks.md (default: yes, except with --quick)",
-    )
+    parser = common.bench_parser(__doc__)
     parser.add_argument("--child-malloc", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
@@ -624,7 +617,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     out = run(setup, quick=args.quick)
     print_tables(out)
-    write = (not args.quick) if args.write is None else args.write
+    write = common.should_write(args)
     if write:
         print(f"wrote {common.write_table(DOC, MARKER, render(out))}")
 

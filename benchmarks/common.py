@@ -14,6 +14,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import argparse
 import dataclasses
 import datetime
 import pathlib
@@ -129,3 +130,21 @@ def write_table(doc: str, marker: str, body: str) -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags every benchmark script takes: ``--quick`` and ``--write/--no-write``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (smoke run)")
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write the tables into docs/benchmarks.md (default: yes, except with --quick)",
+    )
+    return parser
+
+
+def should_write(args: argparse.Namespace) -> bool:
+    """A full run writes the docs; a ``--quick`` smoke run only with ``--write``."""
+    return (not args.quick) if args.write is None else args.write

@@ -23,7 +23,6 @@ does not touch the docs).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable
 
@@ -251,17 +250,10 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (smoke run)")
-    parser.add_argument(
-        "--write",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="write the tables into docs/benchmarks.md (default: yes, except with --quick)",
-    )
+    parser = common.bench_parser(__doc__)
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
-    write = (not args.quick) if args.write is None else args.write
+    write = common.should_write(args)
     rows = layer_rows(setup)
     print_table("dropout layer: unsplit vs flax", LAYER_HEADER, rows)
     if write:

@@ -24,7 +24,6 @@ does not touch the docs).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 
@@ -211,19 +210,12 @@ def print_table(rows, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (smoke run)")
-    parser.add_argument(
-        "--write",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="write the table into docs/benchmarks.md (default: yes, except with --quick)",
-    )
+    parser = common.bench_parser(__doc__)
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
     rows, text = run(setup)
     print_table(rows, text)
-    write = (not args.quick) if args.write is None else args.write
+    write = common.should_write(args)
     if write:
         print(f"wrote {common.write_table(DOC, MARKER, render(rows, text))}")
 
