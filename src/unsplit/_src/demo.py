@@ -29,7 +29,8 @@ from unsplit._src import demo_train as dt
 from unsplit._src import transformer as tf
 
 # Guesses of what each run costs, refined once the reference has been timed: a step
-# costs `cost` reference steps, a run's compiles cost `compiles` reference compiles.
+# costs `cost` reference steps, a run's compiles cost `compiles` reference compiles plus
+# `fixed_s` seconds that do not scale with them.
 _GUESS_STEP_S = 0.03
 _GUESS_COMPILE_S = 5.0
 
@@ -45,6 +46,7 @@ class Schedule:
     bitwise: bool = False
     cost: float = 1.0
     compiles: float = 1.0
+    fixed_s: float = 0.0
 
     @property
     def reference(self) -> str:
@@ -57,16 +59,18 @@ def schedules(bitwise: bool) -> list[Schedule]:
     x = ", bitwise" if b else ""
     # cost / compiles: measured on a 2-core CPU at the default settings, relative to the
     # reference's step and compile. Bitwise mode compiles its chunk program once per
-    # device; the process rows include starting the processes.
+    # device (a setup of about 8 s on 2 cores, whatever the model); the process rows
+    # include starting the processes.
     return [
         Schedule(f"reference{x}", 1, 1, bitwise=b, cost=2.2 if b else 1, compiles=0.6 if b else 1),
-        Schedule(f"8 devices{x}", 8, 1, bitwise=b, cost=3.1 if b else 3.2, compiles=2.5 if b else 1.2),
+        Schedule(f"8 devices{x}", 8, 1, bitwise=b, cost=3.1 if b else 3.2, compiles=0.8 if b else 1.2,
+                 fixed_s=8.0 if b else 0.0),
         Schedule(f"1 device x 8 microbatches{x}", 1, 8, bitwise=b, cost=2.3 if b else 1.7,
                  compiles=0.1 if b else 0.7),
         Schedule(f"2 devices x 4 microbatches{x}", 2, 4, bitwise=b, cost=1.7 if b else 2.1,
                  compiles=0.2 if b else 0.7),
         Schedule(f"2 processes x 2 devices x 2 microbatches{x}", 4, 2, processes=2, bitwise=b,
-                 cost=6.2 if b else 8.2, compiles=2.6 if b else 3),
+                 cost=6.2 if b else 8.2, compiles=1.0, fixed_s=7.0 if b else 5.0),
     ]  # fmt: skip
 
 
@@ -84,7 +88,7 @@ class Contrast:
 
 
 BASELINE = "flax baseline"  # flax's batch-level dropout, the whole batch on 1 device
-_BASELINE_COST = (0.9, 0.6)
+_BASELINE_COST = (0.9, 0.6, 0.0)
 CONTRASTS = (
     Contrast("per-device keys (shard_prng_key), 8 devices", "per_device_keys", 8, 1, BASELINE, 2.5, 0.6),
     Contrast("same key every microbatch (T5X), 1 x 8", "same_key_microbatches", 1, 8, BASELINE, 1.0, 1.0),
@@ -152,8 +156,8 @@ class _Progress:
         self.task = None if bar is None else bar.add_task("training", total=1.0)
 
     def plan(self, remaining: list[tuple[float, float]]) -> float:
-        """Sets the total from the runs left, as (step cost, compiles); returns seconds left."""
-        left = sum(c * self.compile_s + self.steps * s * self.step_s for s, c in remaining)
+        """Sets the total from the runs left, as (step cost, compiles, fixed s); returns seconds left."""
+        left = sum(c * self.compile_s + f + self.steps * s * self.step_s for s, c, f in remaining)
         self.total = self.done + left
         self._show()
         return left
@@ -214,13 +218,13 @@ def run(
     remote = [s for s in plan if s.processes > 1]
 
     progress = _Progress(config.steps, bar)
-    todo = [(s.cost, s.compiles) for s in local]
-    todo += [_BASELINE_COST] + [(c.cost, c.compiles) for c in CONTRASTS]
-    todo += [(s.cost, s.compiles) for s in remote]
+    todo = [(s.cost, s.compiles, s.fixed_s) for s in local]
+    todo += [_BASELINE_COST] + [(c.cost, c.compiles, 0.0) for c in CONTRASTS]
+    todo += [(s.cost, s.compiles, s.fixed_s) for s in remote]
     progress.plan(todo)
     runs: dict[str, dt.Run] = {}
 
-    def one(name: str, cost: float, compiles: float, update: dt.Update, init) -> None:
+    def one(name: str, cost: float, compiles: float, fixed_s: float, update, init) -> None:
         progress.label(name)
         todo.pop(0)
         t0 = time.perf_counter()
@@ -228,7 +232,8 @@ def run(
 
         def on_step(step: int) -> None:
             progress.advance(
-                cost * progress.step_s + (compiles * progress.compile_s if step == 1 else 0)
+                cost * progress.step_s
+                + (compiles * progress.compile_s + fixed_s if step == 1 else 0)
             )
             if name == "reference" and step in (1, 11):
                 marks[step] = time.perf_counter()
@@ -245,19 +250,19 @@ def run(
         step = dt.unsplit_step(
             config, loss_fn, devices=s.devices, microbatches=s.microbatches, bitwise=s.bitwise
         )
-        one(s.name, s.cost, s.compiles, dt.unsplit_update(step, apply), opt.init)
+        one(s.name, s.cost, s.compiles, s.fixed_s, dt.unsplit_update(step, apply), opt.init)
     one(BASELINE, *_BASELINE_COST, dt.flax_update(model, opt, "one_device"), opt.init)
     for c in CONTRASTS:
         if c.scheme == "multisteps":
             update, init = dt.multisteps_update(model, opt, c.microbatches)
         else:
             update, init = dt.flax_update(model, opt, c.scheme), opt.init
-        one(c.name, c.cost, c.compiles, update, init)
+        one(c.name, c.cost, c.compiles, 0.0, update, init)
 
     if remote:
         progress.label(remote[0].name + " (starting 2 processes)")
         seen = {"units": 0.0}
-        start_s = remote[0].compiles * progress.compile_s
+        start_s = remote[0].compiles * progress.compile_s + remote[0].fixed_s
 
         def on_progress(mode: int, step: int) -> None:
             progress.label(remote[mode].name)

@@ -257,9 +257,9 @@ def header(config: demo_config.DemoConfig, processes: bool) -> str:
     """What is about to happen and how long it takes."""
     runs = (10 if processes else 8) + 4
     if config == demo_config.DemoConfig():
-        typical = "about 4 minutes on a 2-core CPU"
+        typical = "about 2.5 minutes on an idle 2-core CPU, up to twice that on a busy one"
     elif config == demo_config.make(quick=True):
-        typical = "about 1 to 1.5 minutes on a 2-core CPU"
+        typical = "under a minute on an idle 2-core CPU"
     else:
         typical = "it depends on the settings"
     return (
