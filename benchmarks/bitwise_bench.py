@@ -58,7 +58,7 @@ from rich.table import Table
 
 import unsplit
 from unsplit._src import bitwise, reduce, testing
-from unsplit._src.transformer import (
+from unsplit.models import (
     Transformer,
     TransformerConfig,
     init_params,

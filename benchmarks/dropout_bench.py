@@ -37,7 +37,7 @@ from rich.table import Table
 import unsplit
 from unsplit import linen as ulinen
 from unsplit import nnx as unnx
-from unsplit._src.transformer import (
+from unsplit.models import (
     Block,
     Transformer,
     TransformerConfig,

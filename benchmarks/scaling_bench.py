@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 import unsplit
-from unsplit._src.transformer import (
+from unsplit.models import (
     Transformer,
     TransformerConfig,
     init_params,

@@ -7,7 +7,9 @@ on N devices, or as k gradient-accumulation microbatches.
 """
 
 from unsplit import linen as linen
+from unsplit import models as models
 from unsplit import nnx as nnx
+from unsplit import testing as testing
 from unsplit._src.distributed import global_batch as global_batch
 from unsplit._src.dropout import dropout as dropout
 from unsplit._src.keys import Ids64 as Ids64
@@ -26,6 +28,8 @@ __all__ = [
     "global_batch",
     "ids64",
     "linen",
+    "models",
     "nnx",
+    "testing",
     "value_and_grad",
 ]

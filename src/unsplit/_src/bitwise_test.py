@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 import unsplit
-from unsplit._src import testing
+from unsplit._src import test_util as testing
 from unsplit._src import transformer as tf
 
 # One xdist worker runs this whole module, so its compiled chunk programs are shared.

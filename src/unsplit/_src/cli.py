@@ -2,7 +2,7 @@
 
 A thin layer: it parses options, sets up JAX's environment (8 simulated CPU
 devices) before JAX starts its backend, and hands over to
-:mod:`unsplit._src.demo`. Nothing here imports jax at the top level; XLA_FLAGS
+:mod:`unsplit.demo.run`. Nothing here imports jax at the top level; XLA_FLAGS
 is read when the first device is created, not when jax is imported.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from unsplit._src import demo_config
+from unsplit.demo import config as demo_config
 
 _DESCRIPTION = """\
 unsplit: schedule-invariant randomness and gradients for JAX.
@@ -200,7 +200,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _check_output(parser, "--json", args.json)
     _check_output(parser, "--plot", args.plot)
     setup_jax_environment(fast_compile=args.quick)
-    from unsplit._src import demo_report  # starts jax's backend: after the setup above
+    from unsplit.demo import report as demo_report  # starts jax's backend: after the setup above
 
     try:
         return demo_report.run_and_report(

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from unsplit._src import cli, demo_config
+from unsplit._src import cli
+from unsplit.demo import config as demo_config
 
 
 def _run(capsys, argv):

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import unsplit
-from unsplit._src import launch, testing
+from unsplit._src import launch
+from unsplit._src import test_util as testing
 
 pytestmark = pytest.mark.multiprocess
 TIMEOUT = 240  # seconds per launch; every process is killed when it expires

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import unsplit
-from unsplit._src import testing
+from unsplit._src import test_util as testing
 from unsplit._src import transformer as tf
 
 

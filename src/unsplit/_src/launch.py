@@ -8,7 +8,7 @@ killed on failure, timeout or interrupt.
 
 Example:
     >>> from unsplit._src import launch
-    >>> results = launch.run_local_processes(   # doctest: +SKIP
+    >>> results = launch.run_local_processes(  # doctest: +SKIP
     ...     "unsplit._src.launch:describe", num_processes=2, devices_per_process=2)
     >>> [r["process_index"] for r in results]   # doctest: +SKIP
     [0, 1]
@@ -84,7 +84,7 @@ def run_local_processes(
                 out = os.path.join(tmp, f"result{pid}.json")
                 log = open(os.path.join(tmp, f"log{pid}.txt"), "w+")  # noqa: SIM115
                 cmd = [
-                    sys.executable, "-m", "unsplit._src.launch", "--target", target,
+                    sys.executable, "-m", "unsplit.testing", "--target", target,
                     "--process-id", str(pid), "--num-processes", str(num_processes),
                     "--port", str(port), "--kwargs", payload, "--out", out,
                 ]  # fmt: skip
@@ -158,8 +158,11 @@ def describe() -> dict[str, Any]:
     }
 
 
-def _worker(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="unsplit worker process (internal)")
+def worker_main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m unsplit.testing",
+        description="one worker process of unsplit.testing.run_local_processes",
+    )
     parser.add_argument("--target", required=True)
     parser.add_argument("--process-id", type=int, required=True)
     parser.add_argument("--num-processes", type=int, required=True)
@@ -185,7 +188,3 @@ def _worker(argv: list[str] | None = None) -> None:
         json.dump(result, f)
     os.replace(tmp, args.out)
     jax.distributed.shutdown()
-
-
-if __name__ == "__main__":
-    _worker()

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType
 
 import unsplit
-from unsplit._src import testing
+from unsplit._src import test_util as testing
 from unsplit._src import transformer as tf
 
 TOL = 1e-5  # relative L2, float32

@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from unsplit._src import demo_config, demo_data
+from unsplit.demo import config as demo_config
+from unsplit.demo import data as demo_data
 
 
 def test_vocabulary_matches_the_config():

@@ -23,9 +23,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src import demo_data, distributed, launch
-from unsplit._src import demo_train as dt
+from unsplit._src import distributed, launch
 from unsplit._src import transformer as tf
+from unsplit.demo import data as demo_data
+from unsplit.demo import train as dt
 
 PROCESSES = 2
 DEVICES_PER_PROCESS = 2
@@ -71,7 +72,7 @@ def run_processes(
         poller.start()
         try:
             results = launch.run_local_processes(
-                "unsplit._src.demo_processes:process_worker",
+                "unsplit.demo.processes:process_worker",
                 num_processes=PROCESSES,
                 devices_per_process=DEVICES_PER_PROCESS,
                 kwargs=kwargs,

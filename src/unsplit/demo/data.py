@@ -45,7 +45,7 @@ def corpus_text() -> str:
     files, so the demo runs everywhere.
 
     Example:
-        >>> from unsplit._src import demo_data
+        >>> from unsplit.demo import data as demo_data
         >>> len(demo_data.corpus_text()) > 10_000
         True
     """
@@ -72,7 +72,7 @@ def encode(text: str) -> np.ndarray:
     """Characters to token ids in ``[0, VOCAB)`` (tabs become 4 spaces, others "?").
 
     Example:
-        >>> from unsplit._src import demo_data
+        >>> from unsplit.demo import data as demo_data
         >>> demo_data.encode("a\\n").tolist()
         [66, 0]
     """
@@ -98,7 +98,7 @@ class Dataset:
         seed: the data seed; batch ``step`` depends on ``(seed, step)`` only.
 
     Example:
-        >>> from unsplit._src import demo_data
+        >>> from unsplit.demo import data as demo_data
         >>> data = demo_data.Dataset(batch_size=4, length=16, seed=0)
         >>> b = data.batch(3)
         >>> sorted(b), b["inputs"].shape, b["mask"].dtype.name

@@ -1,7 +1,7 @@
 """The demo's training runs: one loop, and the update each schedule or naive scheme uses.
 
 Every run starts from the same parameters, reads the same batches
-(:class:`~unsplit._src.demo_data.Dataset`) and uses the step key
+(:class:`~unsplit.demo.data.Dataset`) and uses the step key
 ``fold_in(key(seed), step)``; only the way the step is computed differs:
 
 * :func:`unsplit_update`: ``unsplit.value_and_grad`` with a mesh of ``devices``
@@ -32,9 +32,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src import demo_data
 from unsplit._src import transformer as tf
-from unsplit._src.demo_config import DemoConfig
+from unsplit.demo import data as demo_data
+from unsplit.demo.config import DemoConfig
 
 Update = Callable[[Any, Any, dict, jax.Array], tuple[Any, Any, jax.Array]]
 

@@ -1,6 +1,6 @@
 """The demo's output: a rich table, the JSON file and the PNG.
 
-All three are made from the dict :func:`unsplit._src.demo.run` returns, so a
+All three are made from the dict :func:`unsplit.demo.run.run` returns, so a
 saved JSON can be re-plotted: ``demo_report.plot(json.load(f), "demo.png")``.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from unsplit._src import demo_config
+from unsplit.demo import config as demo_config
 
 BASELINE_NAME = "flax baseline"  # demo.BASELINE (this module does not import jax)
 _KEYS = (
@@ -32,7 +32,7 @@ def format_diff(x: float) -> str:
     """``0 (exact)`` for an exact zero, else 2 significant digits.
 
     Example:
-        >>> from unsplit._src.demo_report import format_diff
+        >>> from unsplit.demo.report import format_diff
         >>> format_diff(0.0), format_diff(3.14159e-6)
         ('0 (exact)', '3.1e-06')
     """
@@ -294,7 +294,7 @@ def run_and_report(
         TimeRemainingColumn,
     )
 
-    from unsplit._src import demo
+    from unsplit.demo import run as demo
 
     if console is None:
         console = Console()

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from unsplit._src import demo, demo_config
-from unsplit._src import demo_train as dt
+from unsplit.demo import config as demo_config
+from unsplit.demo import run as demo
+from unsplit.demo import train as dt
 
 
 def test_snapshot_steps_end_at_the_last_step():

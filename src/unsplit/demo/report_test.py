@@ -4,7 +4,7 @@ import json
 
 from rich.console import Console
 
-from unsplit._src import demo_report
+from unsplit.demo import report as demo_report
 
 
 def _row(name, diff, *, bitwise=False, against="reference", same=None):

@@ -1,14 +1,14 @@
 """``unsplit demo``: the same training run under many schedules, side by side.
 
 A small causal transformer with dropout learns the Python standard library's
-own source, character by character (:mod:`~unsplit._src.demo_data`), for
+own source, character by character (:mod:`~unsplit.demo.data`), for
 ``steps`` Adam steps from one seed, under these schedules of the same global
 batch: the reference (1 device), 8 devices, 1 device x 8 microbatches,
 2 devices x 4 microbatches, and 2 real processes x 2 devices x 2 microbatches
 (``jax.distributed`` over gloo on this machine), each in default and in
 bitwise mode. Contrast rows train the same model on the same data the usual
-way (:mod:`~unsplit._src.demo_train`). :func:`run` returns a JSON-ready dict;
-:mod:`~unsplit._src.demo_report` prints and plots it.
+way (:mod:`~unsplit.demo.train`). :func:`run` returns a JSON-ready dict;
+:mod:`~unsplit.demo.report` prints and plots it.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from unsplit._src import demo_data, demo_processes, launch
-from unsplit._src import demo_train as dt
+from unsplit._src import launch
 from unsplit._src import transformer as tf
+from unsplit.demo import data as demo_data
+from unsplit.demo import processes as demo_processes
+from unsplit.demo import train as dt
 
 # Guesses of what each run costs, refined once the reference has been timed: a step
 # costs `cost` reference steps, a run's compiles cost `compiles` reference compiles plus

@@ -1,0 +1,36 @@
+"""Small ready-made models for examples, tests and benchmarks.
+
+``Transformer`` is a plain ``flax.linen`` causal language model with dropout
+on its residual branches and attention weights. It is written for ONE example
+(``tokens: int[L]``), the way :func:`unsplit.value_and_grad` calls a loss.
+
+Example:
+    >>> import jax
+    >>> from unsplit import models
+    >>> config = models.TransformerConfig(vocab=16, length=8, width=16, heads=2, layers=1)
+    >>> model = models.Transformer(config)
+    >>> params = models.init_params(model)
+    >>> batch = models.synthetic_batch(config, 4)
+    >>> loss_sum, tokens = models.token_loss(model)(
+    ...     params, jax.tree.map(lambda x: x[0], batch), jax.random.key(0))
+    >>> loss_sum.shape, tokens.shape
+    ((), ())
+"""
+
+from unsplit._src.transformer import Block as Block
+from unsplit._src.transformer import Transformer as Transformer
+from unsplit._src.transformer import TransformerConfig as TransformerConfig
+from unsplit._src.transformer import init_params as init_params
+from unsplit._src.transformer import mean_loss as mean_loss
+from unsplit._src.transformer import synthetic_batch as synthetic_batch
+from unsplit._src.transformer import token_loss as token_loss
+
+__all__ = [
+    "Block",
+    "Transformer",
+    "TransformerConfig",
+    "init_params",
+    "mean_loss",
+    "synthetic_batch",
+    "token_loss",
+]

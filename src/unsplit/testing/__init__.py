@@ -1,0 +1,25 @@
+"""Test a training step on several local JAX processes, as unsplit's own tests do.
+
+``run_local_processes`` starts ``num_processes`` Python processes on this
+machine, each with ``devices_per_process`` simulated CPU devices, joined by
+``jax.distributed`` over gloo on 127.0.0.1. Each runs ``module:function(**kwargs)``
+and sends back its JSON-serializable result. Time is bounded, and every process
+is killed on failure, timeout or interrupt: a process that raises or dies ends
+the others within seconds, with a :class:`LaunchError` naming it.
+
+Each process runs ``python -m unsplit.testing --target MOD:FN --process-id I
+--num-processes N --port P --kwargs JSON --out FILE`` (the worker entry).
+
+Example:
+    >>> import unsplit.testing
+    >>> results = unsplit.testing.run_local_processes(  # doctest: +SKIP
+    ...     "unsplit._src.launch:describe", num_processes=2, devices_per_process=2)
+    >>> [r["process_index"] for r in results]  # doctest: +SKIP
+    [0, 1]
+"""
+
+from unsplit._src.launch import LaunchError as LaunchError
+from unsplit._src.launch import free_port as free_port
+from unsplit._src.launch import run_local_processes as run_local_processes
+
+__all__ = ["LaunchError", "free_port", "run_local_processes"]
