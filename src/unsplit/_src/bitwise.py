@@ -35,8 +35,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
-from unsplit._src import reduce, validate
-from unsplit._src import step as step_lib
+from unsplit._src import reduce, sums, validate
 
 DEFAULT_CHUNK = 8
 
@@ -51,22 +50,18 @@ def default_chunk_size(batch: int) -> int:
 
 
 @functools.cache
-def _chunk_program(loss_fn, weighted: bool):
+def _chunk_program(spec: sums.LossSpec):
     """The one-device chunk program, shared by every Step with the same loss."""
-    owner = _LossOnly(loss_fn, weighted)
 
-    def sums(params, chunk, key, hi, lo):
+    def chunk_sums(params, chunk, key, hi, lo):
         ids = keys_lib.Ids64(hi=hi, lo=lo)
-        return step_lib.microbatch_sums(owner, params, chunk, key, ids)
+        structure, arrays = sums.Params.split(params)
+        (loss_sum, weight, grads), _ = sums.example_sums(
+            spec, structure, arrays, chunk, key, ids
+        )
+        return loss_sum, weight, grads
 
-    return jax.jit(sums)
-
-
-class _LossOnly:
-    """The two Step fields that ``microbatch_sums`` reads."""
-
-    def __init__(self, loss_fn, weighted):
-        self.loss_fn, self.weighted = loss_fn, weighted
+    return jax.jit(chunk_sums)
 
 
 _add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
@@ -85,7 +80,7 @@ class BitwiseStep:
                     f"chunk_size must be a positive int (examples per chunk); got {c!r}. "
                     f"Fix: omit it for the default, or pass e.g. chunk_size={DEFAULT_CHUNK}."
                 )
-        self.chunk_program = _chunk_program(step.loss_fn, step.weighted)
+        self.chunk_program = _chunk_program(step.spec)
         self._finishers: dict[Any, Any] = {}
         self._pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 
@@ -145,10 +140,9 @@ class BitwiseStep:
         # device, so every schedule dispatches under the same (thread-local) jax config.
         pool = self._pool(len(local))
         all_blocks = dict(pool.map(lambda item: device_blocks(*item), local))
-        loss, grads, weight = self._finish(params, all_blocks, devices, per_device, n_chunks)
-        if step.weighted:
-            validate.check_total_weight(weight)
-        return loss, grads
+        loss, grads, _ = self._finish(params, all_blocks, devices, per_device, n_chunks)
+        structure, _ = sums.Params.split(params)
+        return loss, structure.grads_tree(grads), None
 
     def _finish(self, params, all_blocks, devices, per_device, n_chunks):
         """Gathers every device's blocks and adds them in the canonical tree order."""
@@ -173,7 +167,8 @@ class BitwiseStep:
             ),
             *stacked,
         )
-        dtypes = jax.tree.map(lambda p: jnp.dtype(jnp.result_type(p)), params)
+        structure, arrays = sums.Params.split(params)
+        dtypes = [jnp.dtype(jnp.result_type(a)) for a in structure.diff_of(arrays)]
         finish = self._finisher(mesh, tuple(map(tuple, layout)), slots, n_chunks, dtypes)
         loss, grads, weight = finish(global_blocks)
         if user is None:  # plain single-device arrays, like the default mode's
@@ -183,8 +178,7 @@ class BitwiseStep:
         return loss, grads, weight
 
     def _finisher(self, mesh, layout, slots, n_chunks, dtypes):
-        leaves, treedef = jax.tree.flatten(dtypes)
-        cache_key = (tuple(mesh.devices.flat), layout, slots, n_chunks, treedef, tuple(leaves))
+        cache_key = (tuple(mesh.devices.flat), layout, slots, n_chunks, tuple(dtypes))
         if cache_key in self._finishers:
             return self._finishers[cache_key]
 
@@ -226,7 +220,7 @@ class BitwiseStep:
                 check_vma=False,
             )(blocks)
             loss_sum, weight, grad_sum = total
-            loss, grads = step_lib.normalize(dtypes, loss_sum, weight, grad_sum)
+            loss, grads = sums.normalize(loss_sum, weight, grad_sum, dtypes)
             return loss, grads, weight
 
         replicated = NamedSharding(mesh, P())
@@ -262,8 +256,10 @@ def _batch_devices(mesh) -> list:
 
 
 def _id_words(ids, size, mesh):
-    if ids is not None:
+    if isinstance(ids, keys_lib.Ids64):
         return ids.hi, ids.lo
+    if ids is not None:
+        return keys_lib.id_words(ids)
     if mesh is not None and jax.process_count() > 1:
         sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
         lo = jax.make_array_from_callback(

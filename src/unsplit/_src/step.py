@@ -10,26 +10,26 @@ the same function of ``(params, global batch, ids, key)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from unsplit._src import distributed, validate
+from unsplit._src import distributed, sums, validate
 from unsplit._src import keys as keys_lib
+from unsplit._src.default_step import DefaultStep
+from unsplit._src.layout import Layout
 
-LossFn = Callable[[Any, Any, jax.Array], Any]
+LossFn = sums.LossFn
 
 
 def value_and_grad(
     loss_fn: LossFn,
     *,
     weighted: bool = False,
+    has_aux: bool = False,
     microbatches: int = 1,
     mesh: jax.sharding.Mesh | None = None,
+    batch_axes: str | tuple[str, ...] | None = None,
     bitwise: bool = False,
     chunk_size: int | None = None,
 ) -> Step:
@@ -37,30 +37,43 @@ def value_and_grad(
 
     Args:
         loss_fn: ``loss_fn(params, example, key)`` for ONE example (no batch
-            axis) with its own PRNG key. It returns a scalar loss, or with
+            axis) with its own PRNG key. It returns a scalar loss; with
             ``weighted=True`` a pair ``(loss_sum, weight)`` such as (sum of token
-            losses, number of tokens).
+            losses, number of tokens); with ``has_aux=True`` a pair
+            ``(that, aux)`` where ``aux`` is any pytree of per-example outputs.
         weighted: whether ``loss_fn`` returns ``(loss_sum, weight)``. The step
             loss is ``sum(loss_sum) / sum(weight)`` over the global batch
             (never a mean of microbatch means); unweighted, it is the mean over
-            examples. Weights are data: no gradient flows through them.
+            examples. Weights are data: no gradient flows through them. A
+            total weight that is not a positive finite number gives nan loss
+            and grads (computed on device, no host read-back).
+        has_aux: whether ``loss_fn`` returns ``(loss, aux)``; the step then
+            returns ``((loss, aux), grads)`` like ``jax.value_and_grad``, with
+            ``aux`` stacked per example in global-batch order (leading axis
+            ``B``, sharded like the batch), the same for every schedule.
         microbatches: each device runs its share of the batch as this many
             sequential microbatches (gradient accumulation); the result is the
             same as with 1.
         mesh: a ``jax.sharding.Mesh`` (Explicit or Auto axes, one or several
-            processes). The batch is split over the mesh's first axis; params
-            and key are replicated. ``None`` runs on the default device.
+            processes); ``None`` runs on one device.
+        batch_axes: the mesh axis name (or tuple of names) the global batch is
+            split over; default: the mesh's first axis. Params may be sharded
+            over any axes (FSDP over the batch axes, tensor parallel over the
+            others) and keep their shardings; so do the grads.
         bitwise: make loss and grads bit-identical for every (devices,
-            microbatches) schedule of the same global batch; see
-            :mod:`unsplit._src.bitwise`.
+            microbatches, processes) schedule of the same global batch; see
+            ``docs/bitwise.md``.
         chunk_size: bitwise mode's fixed unit of work, in examples (default:
-            see :func:`unsplit._src.bitwise.default_chunk_size`).
+            depends on the global batch size only).
 
     Returns:
         A :class:`Step`; ``step(params, batch, key, ids=None)`` returns
-        ``(loss, grads)``. ``batch`` is a pytree whose leaves all have the
-        global batch size ``B`` as leading axis; ``ids`` (shape ``(B,)``,
-        default ``arange(B)``) are the examples' global ids.
+        ``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``).
+        ``params`` is any pytree: grads for its inexact array leaves, ``None``
+        for every other leaf (as ``equinox.filter_value_and_grad``). ``batch``
+        is a pytree whose leaves all have the global batch size ``B`` as
+        leading axis; ``ids`` (shape ``(B,)``, default ``arange(B)``) are the
+        examples' global ids.
 
     Example:
         >>> import jax, jax.numpy as jnp, unsplit
@@ -76,8 +89,10 @@ def value_and_grad(
     return Step(
         loss_fn,
         weighted=weighted,
+        has_aux=has_aux,
         microbatches=microbatches,
         mesh=mesh,
+        batch_axes=batch_axes,
         bitwise=bitwise,
         chunk_size=chunk_size,
     )
@@ -86,29 +101,34 @@ def value_and_grad(
 class Step:
     """A compiled-once ``(loss, grads)`` step; made by :func:`value_and_grad`.
 
-    Calling it validates the inputs on the host (shapes and dtypes only; no
-    device work), then runs a function that is traced and compiled once per
-    input shapes: later calls with the same shapes reuse the executable.
+    Calling it validates the inputs on the host (shapes and dtypes only; it
+    never waits for the device), then runs a program that is traced and
+    compiled once per input shapes and params layout: later calls reuse it.
     """
 
     def __init__(
         self,
         loss_fn: LossFn,
         *,
-        weighted: bool,
-        microbatches: int,
-        mesh: jax.sharding.Mesh | None,
-        bitwise: bool,
-        chunk_size: int | None,
+        weighted: bool = False,
+        has_aux: bool = False,
+        microbatches: int = 1,
+        mesh: jax.sharding.Mesh | None = None,
+        batch_axes: str | tuple[str, ...] | None = None,
+        bitwise: bool = False,
+        chunk_size: int | None = None,
     ):
         validate.check_callable(loss_fn)
         validate.check_microbatches(microbatches)
         validate.check_mesh(mesh)
-        self.loss_fn = loss_fn
-        self.weighted = bool(weighted)
+        self.spec = sums.LossSpec(
+            loss_fn,
+            weighted=validate.check_flag("weighted", weighted),
+            has_aux=validate.check_flag("has_aux", has_aux),
+        )
         self.microbatches = int(microbatches)
-        self.mesh = mesh
-        self.bitwise = bool(bitwise)
+        self.layout = Layout.make(mesh, batch_axes)
+        self.bitwise = validate.check_flag("bitwise", bitwise)
         self.chunk_size = chunk_size
         if self.bitwise:
             from unsplit._src import bitwise as bitwise_lib
@@ -120,171 +140,65 @@ class Step:
                     f"chunk_size={chunk_size} only applies with bitwise=True; got bitwise=False. "
                     "Fix: drop chunk_size, or pass bitwise=True."
                 )
-            self._impl = _DefaultStep(self)
+            self._impl = DefaultStep(self.spec, self.layout, self.microbatches)
+
+    @property
+    def loss_fn(self) -> LossFn:
+        return self.spec.loss_fn
+
+    @property
+    def weighted(self) -> bool:
+        return self.spec.weighted
+
+    @property
+    def has_aux(self) -> bool:
+        return self.spec.has_aux
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh | None:
+        return self.layout.mesh
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return self.layout.batch_axes
+
+    @property
+    def num_devices(self) -> int:
+        """How many shares the global batch is split into (the batch axes' devices)."""
+        return self.layout.shards
 
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
         mesh = None if self.mesh is None else dict(self.mesh.shape)
         return (
-            f"Step({name}, weighted={self.weighted}, microbatches={self.microbatches}, "
-            f"mesh={mesh}, bitwise={self.bitwise})"
+            f"Step({name}, weighted={self.weighted}, has_aux={self.has_aux}, "
+            f"microbatches={self.microbatches}, mesh={mesh}, batch_axes={self.batch_axes}, "
+            f"bitwise={self.bitwise})"
         )
 
-    @property
-    def num_devices(self) -> int:
-        """How many shares the global batch is split into (the mesh's first axis)."""
-        return 1 if self.mesh is None else int(self.mesh.shape[self.mesh.axis_names[0]])
-
-    def __call__(
-        self, params: Any, batch: Any, key: jax.Array, ids: Any = None
-    ) -> tuple[jax.Array, Any]:
+    def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
         batch_size = validate.batch_size(batch)
-        validate.check_schedule(batch_size, self.num_devices, self.microbatches, self.mesh)
+        validate.check_schedule(batch_size, self.num_devices, self.microbatches, self.batch_axes)
         keys_lib.check_key(key)
         if jax.process_count() > 1 and not isinstance(key, jax.core.Tracer):
             distributed.check_same_key(key)
         ids = validate.ids_words(ids, batch_size)
-        return self._impl(params, batch, key, ids)
-
-
-def per_example_loss(step: Step) -> Callable[[Any, Any, jax.Array], tuple[jax.Array, jax.Array]]:
-    """The user's loss as ``(loss_sum, weight)`` in float32, checked at trace time."""
-
-    def fn(params, example, key):
-        out = step.loss_fn(params, example, key)
-        return validate.loss_output(out, step.weighted)
-
-    return fn
-
-
-def microbatch_sums(step: Step, params, batch, key, ids: keys_lib.Ids64):
-    """Sums of (loss, weight, grad) over one microbatch, from per-example losses."""
-    one = per_example_loss(step)
-
-    def total(p):
-        keys = keys_lib.example_keys(key, ids)
-        loss_sums, weights = jax.vmap(one, in_axes=(None, 0, 0))(p, batch, keys)
-        return jnp.sum(loss_sums), jax.lax.stop_gradient(jnp.sum(weights))
-
-    (loss_sum, weight), grad_sum = jax.value_and_grad(total, has_aux=True)(params)
-    return loss_sum, weight, jax.tree.map(_accumulation_dtype, grad_sum)
-
-
-def accumulated_sums(step: Step, params, batch, key, ids: keys_lib.Ids64, axis: str | None):
-    """Sums over ``step.microbatches`` sequential microbatches (a ``lax.scan``).
-
-    ``axis`` names the ``shard_map`` mesh axis the batch varies over, if any.
-    """
-    k = step.microbatches
-    if k == 1:
-        return microbatch_sums(step, params, batch, key, ids)
-
-    def split(x):
-        return x.reshape(k, x.shape[0] // k, *x.shape[1:])
-
-    xs = jax.tree.map(split, (batch, ids))
-
-    def body(carry, x):
-        sums = microbatch_sums(step, params, x[0], key, x[1])
-        return jax.tree.map(jnp.add, carry, sums), None
-
-    first = jax.tree.map(lambda a: a[0], xs)
-    shapes = jax.eval_shape(lambda b, i: microbatch_sums(step, params, b, key, i), *first)
-    zeros = jax.tree.map(lambda a: _zeros(a, axis), shapes)
-    sums, _ = jax.lax.scan(body, zeros, xs)
-    return sums
-
-
-def normalize(like, loss_sum, weight, grad_sum):
-    """The step loss and gradient: global sums divided once by the global weight.
-
-    ``like`` is the params tree (or a tree of their dtypes): grads get its dtypes.
-    """
-    loss = loss_sum / weight
-    grads = jax.tree.map(lambda g, p: (g / weight).astype(_dtype_of(p)), grad_sum, like)
-    return loss, grads
-
-
-class _DefaultStep:
-    """Default mode: one jitted program; data parallel via ``shard_map`` + ``psum``."""
-
-    def __init__(self, step: Step):
-        self.step = step
-        self._jitted = jax.jit(self._run)
-
-    def _run(self, params, batch, key, ids):
-        step = self.step
-        if step.mesh is None:
-            ids = _default_ids(ids, _leading(batch), offset=0)
-            sums = accumulated_sums(step, params, batch, key, ids, None)
-        else:
-            axis = step.mesh.axis_names[0]
-
-            def shard(params, batch, key, ids):
-                local = _leading(batch)
-                # Per-device params: each device's gradient is its own share's sum, combined
-                # by the one explicit psum below (AD of invariant params would psum too).
-                params = jax.lax.pcast(params, (axis,), to="varying")
-                ids = _default_ids(ids, local, offset=jax.lax.axis_index(axis) * local)
-                sums = accumulated_sums(step, params, batch, key, ids, axis)
-                return jax.lax.psum(sums, axis)
-
-            ids_spec = None if ids is None else P(axis)
-            params, key = _place(step.mesh, P(), (params, key))
-            batch, ids = _place(step.mesh, P(axis), (batch, ids))
-            sums = jax.shard_map(
-                shard,
-                mesh=step.mesh,
-                in_specs=(P(), P(axis), P(), ids_spec),
-                out_specs=P(),
-            )(params, batch, key, ids)
-        loss_sum, weight, grad_sum = sums
-        loss, grads = normalize(params, loss_sum, weight, grad_sum)
-        return loss, grads, weight
-
-    def __call__(self, params, batch, key, ids):
-        loss, grads, weight = self._jitted(params, batch, key, ids)
-        if self.step.weighted:
-            validate.check_total_weight(weight)
+        try:
+            loss, grads, aux = self._impl(params, batch, key, ids)
+        except jax.errors.JaxRuntimeError as e:
+            raise _with_memory_hint(e, self) from e
+        if self.has_aux:
+            return (loss, aux), grads
         return loss, grads
 
 
-def _dtype_of(x: Any) -> Any:
-    return x if isinstance(x, np.dtype) else jnp.result_type(x)
-
-
-def _zeros(aval: jax.ShapeDtypeStruct, axis: str | None) -> jax.Array:
-    zeros = jnp.zeros(aval.shape, aval.dtype)
-    # Inside shard_map a scan carry must vary over the mesh axis, like the body's output.
-    return zeros if axis is None else jax.lax.pcast(zeros, (axis,), to="varying")
-
-
-def _accumulation_dtype(x: jax.Array) -> jax.Array:
-    # Low-precision grads (bf16 params) are summed in float32, cast back once at the end.
-    return x.astype(wide_float(x.dtype))
-
-
-def wide_float(dtype: Any) -> Any:
-    """float32 for narrower floats (bf16, f16), the dtype itself otherwise."""
-    dtype = jnp.dtype(dtype)
-    narrow = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
-    return jnp.dtype(jnp.float32) if narrow else dtype
-
-
-def _place(mesh: jax.sharding.Mesh, spec: P, tree: Any) -> Any:
-    """Reshards ``tree`` to ``spec`` on ``mesh`` inside jit (Explicit and Auto axes)."""
-    sharding = jax.sharding.NamedSharding(mesh, spec)
-    explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-    place = jax.reshard if explicit else jax.lax.with_sharding_constraint
-    return jax.tree.map(lambda x: place(x, sharding), tree)
-
-
-def _leading(batch) -> int:
-    return jax.tree.leaves(batch)[0].shape[0]
-
-
-def _default_ids(ids, size, offset) -> keys_lib.Ids64:
-    if ids is not None:
-        return ids
-    lo = (offset + jnp.arange(size)).astype(jnp.uint32)
-    return keys_lib.Ids64(hi=jnp.zeros_like(lo), lo=lo)
+def _with_memory_hint(error: Exception, step: Step) -> Exception:
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
+        return error
+    return type(error)(
+        f"{text}\n\nunsplit: the step ran out of device memory. Activation memory grows with "
+        f"the examples each device processes at once (now {step.microbatches} microbatch(es) "
+        "per device). Fix: raise microbatches=... (the result does not change), add devices "
+        "to the batch axes, or shard the params (FSDP / tensor parallel)."
+    )

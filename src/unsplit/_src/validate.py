@@ -1,8 +1,9 @@
 """Input checks for the step: each error says what was expected, what arrived, and the fix.
 
 All checks here look at shapes, dtypes and Python values only, so they cost no
-device work, with two documented exceptions: concrete signed ids are checked
-for negative values, and a weighted step checks that the total weight is not 0.
+device work and never wait for the device (NumPy ids are checked for negative
+values on the host; a total weight that is not positive and finite gives nan
+on device, see :func:`unsplit._src.sums.normalize`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ def check_microbatches(microbatches: Any) -> None:
         )
 
 
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool; anything but True/False (e.g. the string "False") is refused."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    raise TypeError(
+        f"{name} must be True or False; got {value!r} of type {type(value).__name__}. "
+        f"Fix: pass {name}=True or {name}=False (a non-empty string such as 'False' would "
+        "count as true)."
+    )
+
+
 def check_mesh(mesh: Any) -> None:
     if mesh is None:
         return
@@ -63,8 +75,22 @@ def batch_size(batch: Any) -> int:
         )
     sizes = {}
     for path, leaf in leaves:
-        shape = np.shape(leaf)
         name = jax.tree_util.keystr(path) or "batch"
+        if isinstance(leaf, bool | int | float | complex) and path and any(
+            isinstance(k, jax.tree_util.SequenceKey) for k in path
+        ):
+            raise TypeError(
+                f"batch leaf {name} is a Python number inside nested Python lists or tuples; "
+                "JAX treats every number of a list as its own leaf. Fix: convert the batch "
+                "to arrays first, e.g. jax.tree.map(np.asarray, batch, is_leaf=lambda x: "
+                "isinstance(x, list)) or np.asarray(rows)."
+            )
+        if not hasattr(leaf, "shape") and not isinstance(leaf, bool | int | float | complex):
+            raise TypeError(
+                f"batch leaf {name} is a {type(leaf).__name__}, not an array. Fix: pass "
+                "arrays (np.asarray / jnp.asarray) whose leading axis is the global batch."
+            )
+        shape = np.shape(leaf)
         if len(shape) == 0:
             raise ValueError(
                 f"batch leaf {name} is a scalar; every leaf needs the global batch as its "
@@ -80,16 +106,23 @@ def batch_size(batch: Any) -> int:
             "global batch size as its leading axis. Fix: give all leaves the same first "
             "dimension, or close over shared (non-per-example) arrays in loss_fn."
         )
-    return distinct.pop()
-
-
-def check_schedule(batch: int, devices: int, microbatches: int, mesh: Any) -> None:
-    if mesh is not None and batch % devices:
-        axis = mesh.axis_names[0]
+    size = distinct.pop()
+    if size == 0:
         raise ValueError(
-            f"the mesh's first axis {axis!r} has {devices} devices, which does not divide the "
-            f"batch size {batch}. Fix: use a global batch that is a multiple of {devices}, or "
-            "a mesh whose first axis divides the batch."
+            "the global batch has 0 examples (every leaf's leading axis is 0), so there is "
+            "no loss to normalize. Fix: skip empty batches, or pass at least one example "
+            "(padding examples get weight 0 with weighted=True)."
+        )
+    return size
+
+
+def check_schedule(batch: int, devices: int, microbatches: int, batch_axes: tuple) -> None:
+    if batch_axes and batch % devices:
+        axes = batch_axes[0] if len(batch_axes) == 1 else batch_axes
+        raise ValueError(
+            f"the batch axes {axes!r} of the mesh have {devices} devices, which does not "
+            f"divide the batch size {batch}. Fix: use a global batch that is a multiple of "
+            f"{devices}, or batch_axes / a mesh whose batch axes divide the batch."
         )
     if batch % (devices * microbatches):
         raise ValueError(
@@ -100,8 +133,15 @@ def check_schedule(batch: int, devices: int, microbatches: int, mesh: Any) -> No
         )
 
 
-def ids_words(ids: Any, batch: int) -> keys_lib.Ids64 | None:
-    """The ids as validated uint32 words of shape (B,), or None for arange(B)."""
+def ids_words(ids: Any, batch: int) -> Any:
+    """The ids, validated without touching the device: ``None`` (for ``arange(B)``),
+    an :class:`~unsplit.Ids64`, or an integer JAX array of shape ``(B,)`` (split into
+    words inside the compiled program).
+
+    Host ids (NumPy, lists) are split exactly on the host (64-bit values too) and
+    checked for negative values; JAX arrays are only checked for dtype and shape,
+    since reading their values would wait for the device.
+    """
     if ids is None:
         return None
     shape = tuple(ids.shape) if isinstance(ids, keys_lib.Ids64) else np.shape(ids)
@@ -110,8 +150,30 @@ def ids_words(ids: Any, batch: int) -> keys_lib.Ids64 | None:
             f"ids must have shape (B,) = ({batch},), one global id per example; got shape "
             f"{shape}. Fix: pass ids=None for arange(B), or one integer id per example."
         )
+    if isinstance(ids, keys_lib.Ids64):
+        return ids
+    if isinstance(ids, jax.Array):  # also a tracer inside the caller's jit
+        if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.dtype == jnp.bool_:
+            raise TypeError(
+                f"ids must be an integer array (the examples' global ids); got "
+                f"dtype={ids.dtype}. Fix: pass integer ids, e.g. jnp.arange(batch_size); "
+                "never float ids, which would silently round distinct ids together."
+            )
+        return ids
     hi, lo = keys_lib.id_words(ids)
     return keys_lib.Ids64(hi=hi, lo=lo)
+
+
+def aux_pair(out: Any, weighted: bool) -> tuple[Any, Any]:
+    """With ``has_aux=True``: the user's ``(value, aux)`` pair, checked."""
+    value = "(loss_sum, weight)" if weighted else "loss"
+    if not isinstance(out, tuple | list) or len(out) != 2:
+        raise TypeError(
+            f"with has_aux=True, loss_fn must return a pair ({value}, aux) for one example; "
+            f"got {_describe(out)}. Fix: return e.g. ({value}, {{'accuracy': acc}}), or use "
+            "has_aux=False."
+        )
+    return out[0], out[1]
 
 
 def loss_output(out: Any, weighted: bool) -> tuple[jax.Array, jax.Array]:
@@ -130,24 +192,21 @@ def loss_output(out: Any, weighted: bool) -> tuple[jax.Array, jax.Array]:
     if isinstance(out, tuple | list):
         raise TypeError(
             f"loss_fn returned {_describe(out)}; with weighted=False it must return the scalar "
-            "loss of one example. Fix: pass weighted=True if it returns (loss_sum, weight)."
+            "loss of one example. Fix: pass weighted=True if it returns (loss_sum, weight), "
+            "or has_aux=True if it returns (loss, aux)."
         )
     loss = _scalar(out, "loss_fn's output")
     return _float32(loss), jnp.ones((), jnp.float32)
 
 
-def check_total_weight(weight: jax.Array) -> None:
-    if isinstance(weight, jax.core.Tracer):
-        return  # inside the caller's jit: 0 / 0 gives nan, it cannot raise here
-    if float(weight) == 0.0:
-        raise ValueError(
-            "the total weight of the global batch is 0, so the normalized loss "
-            "sum(loss_sum) / sum(weight) is undefined. Fix: make sure at least one example "
-            "has a positive weight (e.g. a non-empty token mask), or skip this batch."
-        )
-
-
 def _scalar(x: Any, what: str, floating: bool = True) -> jax.Array:
+    if x is None or isinstance(x, dict | str) or not (
+        hasattr(x, "shape") or isinstance(x, int | float)
+    ):
+        raise TypeError(
+            f"{what} must be a scalar array; got {_describe(x)}. Fix: return a scalar "
+            "such as jnp.sum(losses); put extra outputs in aux with has_aux=True."
+        )
     shape = np.shape(x)
     if shape != ():
         raise ValueError(
@@ -162,8 +221,11 @@ def _scalar(x: Any, what: str, floating: bool = True) -> jax.Array:
             f"{what} must be a floating-point scalar to be differentiated; got "
             f"dtype={x.dtype}. Fix: compute the loss in float32 (e.g. x.astype(jnp.float32))."
         )
-    if not floating and not (jnp.issubdtype(x.dtype, jnp.number)):
-        raise TypeError(f"{what} must be a number; got dtype={x.dtype}.")
+    if not floating and (x.dtype == jnp.bool_ or not jnp.issubdtype(x.dtype, jnp.number)):
+        raise TypeError(
+            f"{what} must be a number (e.g. a token count); got dtype={x.dtype}. Fix: cast "
+            "it, e.g. jnp.sum(mask.astype(jnp.float32))."
+        )
     return x
 
 
@@ -173,6 +235,10 @@ def _float32(x: jax.Array) -> jax.Array:
 
 
 def _describe(out: Any) -> str:
+    if out is None:
+        return "None (did loss_fn forget to return?)"
+    if isinstance(out, dict):
+        return f"a dict with keys {sorted(map(str, out))}"
     if isinstance(out, tuple | list):
         return f"a {type(out).__name__} of length {len(out)}"
     if hasattr(out, "shape") and hasattr(out, "dtype"):

@@ -35,7 +35,7 @@ def test_mesh_first_axis_does_not_divide_batch():
     step = unsplit.value_and_grad(loss, mesh=mesh)
     with pytest.raises(
         ValueError,
-        match=r"first axis 'data' has 8 devices, which does not divide the batch size 12",
+        match=r"batch axes 'data' of the mesh have 8 devices, which does not divide the batch size 12",
     ):
         step(W, jnp.ones((12, 3)), KEY)
 
@@ -65,9 +65,16 @@ def test_float_ids():
         unsplit.value_and_grad(loss)(W, X, KEY, ids=jnp.arange(8, dtype=jnp.float32))
 
 
-def test_negative_ids():
+def test_negative_host_ids():
     with pytest.raises(ValueError, match=r"non-negative.*got min\(ids\)=-1"):
-        unsplit.value_and_grad(loss)(W, X, KEY, ids=jnp.arange(8) - 1)
+        unsplit.value_and_grad(loss)(W, X, KEY, ids=np.arange(8) - 1)
+
+
+def test_device_ids_are_not_read_back_and_wrap_like_fold_in():
+    # Checking a JAX array's values would wait for the device; they wrap modulo 2**32.
+    wrapped = unsplit.value_and_grad(loss)(W, X, KEY, ids=jnp.arange(8, dtype=jnp.int32) - 1)
+    same = unsplit.value_and_grad(loss)(W, X, KEY, ids=(np.arange(8) - 1) % 2**32)
+    assert float(wrapped[0]) == float(same[0])
 
 
 @pytest.mark.parametrize("key", [0, jnp.zeros((2,), jnp.float32), jax.random.split(KEY, 2)])
