@@ -15,12 +15,14 @@ from unsplit._src.dropout import dropout as dropout
 from unsplit._src.keys import Ids64 as Ids64
 from unsplit._src.keys import example_keys as example_keys
 from unsplit._src.keys import ids64 as ids64
+from unsplit._src.state_guard import DroppedStateError as DroppedStateError
 from unsplit._src.step import Step as Step
 from unsplit._src.step import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DroppedStateError",
     "Ids64",
     "Step",
     "dropout",

@@ -56,9 +56,7 @@ def _chunk_program(spec: sums.LossSpec):
     def chunk_sums(params, chunk, key, hi, lo):
         ids = keys_lib.Ids64(hi=hi, lo=lo)
         structure, arrays = sums.Params.split(params)
-        (loss_sum, weight, grads), _ = sums.example_sums(
-            spec, structure, arrays, chunk, key, ids
-        )
+        (loss_sum, weight, grads), _ = sums.example_sums(spec, structure, arrays, chunk, key, ids)
         return loss_sum, weight, grads
 
     return jax.jit(chunk_sums)

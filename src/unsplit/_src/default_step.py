@@ -137,7 +137,9 @@ class DefaultStep:
                 # Explicit model axes stay Explicit, as in the user's own code.
                 out_sharding = (P(), [s or P() for s in grad_specs], P(layout.batch_entry))
                 program = jax.sharding.auto_axes(
-                    lambda *a: core(*a, grad_specs), axes=layout.batch_axes, out_sharding=out_sharding
+                    lambda *a: core(*a, grad_specs),
+                    axes=layout.batch_axes,
+                    out_sharding=out_sharding,
                 )
                 return program(arrays, batch, key, ids)
 

@@ -76,8 +76,10 @@ def batch_size(batch: Any) -> int:
     sizes = {}
     for path, leaf in leaves:
         name = jax.tree_util.keystr(path) or "batch"
-        if isinstance(leaf, bool | int | float | complex) and path and any(
-            isinstance(k, jax.tree_util.SequenceKey) for k in path
+        if (
+            isinstance(leaf, bool | int | float | complex)
+            and path
+            and any(isinstance(k, jax.tree_util.SequenceKey) for k in path)
         ):
             raise TypeError(
                 f"batch leaf {name} is a Python number inside nested Python lists or tuples; "
@@ -200,8 +202,10 @@ def loss_output(out: Any, weighted: bool) -> tuple[jax.Array, jax.Array]:
 
 
 def _scalar(x: Any, what: str, floating: bool = True) -> jax.Array:
-    if x is None or isinstance(x, dict | str) or not (
-        hasattr(x, "shape") or isinstance(x, int | float)
+    if (
+        x is None
+        or isinstance(x, dict | str)
+        or not (hasattr(x, "shape") or isinstance(x, int | float))
     ):
         raise TypeError(
             f"{what} must be a scalar array; got {_describe(x)}. Fix: return a scalar "
