@@ -38,6 +38,16 @@ class DefaultStep:
         self._warned: set[str] = set()
 
     def __call__(self, params, batch, key, ids):
+        structure, program, args = self._prepare(params, batch, key, ids)
+        loss, grads, aux = program(*args)
+        return loss, structure.grads_tree(grads), aux
+
+    def lower(self, params, batch, key, ids) -> jax.stages.Lowered:
+        """The program this call would run, lowered (``.compile().memory_analysis()``...)."""
+        _, program, args = self._prepare(params, batch, key, ids)
+        return program.lower(*args)
+
+    def _prepare(self, params, batch, key, ids):
         layout = self.layout
         if layout.mesh is not None:
             params = move_onto(
@@ -58,8 +68,7 @@ class DefaultStep:
         if program is None:
             program = self._compile(structure, shardings)
             self._programs[(structure, shardings)] = program
-        loss, grads, aux = program(arrays, batch, key, ids)
-        return loss, structure.grads_tree(grads), aux
+        return structure, program, (arrays, batch, key, ids)
 
     def _compile(self, structure: sums.Params, shardings: tuple):
         run = self._program(structure, shardings)

@@ -20,7 +20,7 @@ import unsplit
 from unsplit._src import test_util as testing
 
 KEY = jax.random.fold_in(jax.random.key(0), 3)
-D, H, O, B = 16, 32, 8, 64
+D, H, C, B = 16, 32, 8, 64  # input, hidden, classes, batch
 TOL = 1e-5
 
 
@@ -29,15 +29,15 @@ def init_params():
     return {
         "w1": rng.normal(0, 0.3, (D, H)).astype(np.float32),
         "b1": np.zeros((H,), np.float32),
-        "w2": rng.normal(0, 0.3, (H, O)).astype(np.float32),
-        "b2": np.zeros((O,), np.float32),
+        "w2": rng.normal(0, 0.3, (H, C)).astype(np.float32),
+        "b2": np.zeros((C,), np.float32),
     }
 
 
 def make_batch():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(B, D)).astype(np.float32)
-    y = rng.integers(0, O, size=(B,)).astype(np.int32)
+    y = rng.integers(0, C, size=(B,)).astype(np.int32)
     weight = rng.integers(1, 5, size=(B,)).astype(np.float32)
     return {"x": x, "y": y, "w": weight}
 
@@ -130,7 +130,7 @@ def test_params_from_another_mesh_are_moved_with_a_warning():
     params = {k: jax.device_put(v, NamedSharding(four, P())) for k, v in init_params().items()}
     step = unsplit.value_and_grad(LOSSES[True], weighted=True, mesh=two)
     with pytest.warns(UserWarning, match=r"params\['b1'\] is not placed on the step's mesh"):
-        loss, grads = step(params, make_batch(), KEY)
+        _, grads = step(params, make_batch(), KEY)
     assert testing.rel_l2(grads, reference(True)[1]) <= TOL
     assert grads["w1"].sharding.mesh == two
 

@@ -176,13 +176,30 @@ class Step:
             f"bitwise={self.bitwise})"
         )
 
-    def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
+    def _checked(self, batch: Any, key: jax.Array, ids: Any) -> Any:
         batch_size = validate.batch_size(batch)
         validate.check_schedule(batch_size, self.num_devices, self.microbatches, self.batch_axes)
         keys_lib.check_key(key)
         if jax.process_count() > 1 and not isinstance(key, jax.core.Tracer):
             distributed.check_same_key(key)
-        ids = validate.ids_words(ids, batch_size)
+        return validate.ids_words(ids, batch_size)
+
+    def lower(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
+        """The compiled program a call with these inputs runs, lowered (default mode).
+
+        Like ``jax.jit(f).lower(...)``: ``step.lower(...).compile()`` gives its
+        ``memory_analysis()`` and ``cost_analysis()``.
+        """
+        if self.bitwise:
+            raise NotImplementedError(
+                "bitwise mode runs several programs per step (one per device group and the "
+                "fixed-order reduction); lower() describes default mode's single program. "
+                "Fix: call lower() on a bitwise=False step to inspect its program."
+            )
+        return self._impl.lower(params, batch, key, self._checked(batch, key, ids))
+
+    def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
+        ids = self._checked(batch, key, ids)
         try:
             loss, grads, aux = self._impl(params, batch, key, ids)
         except jax.errors.JaxRuntimeError as e:
