@@ -1,0 +1,334 @@
+"""Many processes: agree on what must be equal, in one small collective, before any work.
+
+In a multi-process program every process passes its own copy of what must be
+the same everywhere: the step's settings, the params, the key, the shape of
+the global batch. If they differ, JAX runs anyway and each process computes
+something else, or the processes wait for each other forever. :func:`agree`
+checks them on the host at the first call:
+
+1. each process runs its local checks; an error does not propagate yet;
+2. one ``process_allgather`` of a fixed-size ``uint32`` vector: a status
+   word and a 128-bit digest per item (about 1 KiB per process);
+3. if every process is ok and every digest is equal: done. Otherwise a second
+   exchange carries each process's values (or its error) and **every**
+   process raises: the process whose local check failed re-raises its own
+   error, the others an :class:`AgreementError` naming it and its error; on a
+   mismatch every process raises an :class:`AgreementError` naming the
+   differing items, which process has which value, and the fix.
+
+Because the decision to take the second exchange is made from the gathered
+vector, which is the same everywhere, no process is left waiting. In a single
+process nothing is exchanged and local errors propagate unchanged.
+
+Example:
+    >>> import jax
+    >>> from unsplit._src import agreement
+    >>> with agreement.agreement("my step's first call") as items:
+    ...     items["microbatches"] = 4  # a local check may raise here instead
+    >>> agreement.agree({"mode": "bitwise"}, what="my step's first call")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from unsplit._src import keys as keys_lib
+
+_VERSION = 1
+_OK, _FAILED = 0, 1
+_SLOTS = 64  # items beyond 64 share slots (their digests are XORed): still caught
+_DIGEST_WORDS = 4  # 128 bits per item
+_HEADER = 4  # version, status, number of items, payload bytes
+_SMALL = 64  # arrays up to this many elements are shown by value in messages
+_SHOWN = 240  # characters of a value shown in a message
+
+
+class AgreementError(ValueError):
+    """Processes disagree on something that must be equal, or a peer's local check failed."""
+
+
+def needed() -> bool:
+    """True when there are several processes to agree (``jax.process_count() > 1``)."""
+    return jax.process_count() > 1
+
+
+def agree(items: Mapping[str, Any], *, what: str, fixes: Mapping[str, str] | None = None):
+    """Raises on every process unless all processes pass equal ``items``.
+
+    Args:
+        items: name -> value (Python scalars, strings, sequences, dicts, NumPy
+            or JAX arrays, dtypes, meshes); :func:`tree_items` describes a
+            pytree. Compared by a digest of a canonical form; shown on mismatch.
+        what: where the check runs, for the message (e.g. "the step's first call").
+        fixes: name -> the fix to print when that item differs.
+
+    Raises:
+        AgreementError: on every process, naming each differing item, which
+            process has which value, and the fix.
+    """
+    with agreement(what, fixes=fixes) as mine:
+        mine.update(items)
+
+
+@contextlib.contextmanager
+def agreement(what: str, *, fixes: Mapping[str, str] | None = None) -> Iterator[dict[str, Any]]:
+    """Runs the body's local checks, then agrees on the items it fills in.
+
+    The body fills the yielded dict with the items to compare. An exception in
+    the body is not raised at once: it is sent to the other processes, and
+    then every process raises (see the module docs), so one process's bad
+    input never leaves the others waiting in a collective.
+    """
+    items: dict[str, Any] = {}
+    if not needed():
+        yield items
+        return
+    error: Exception | None = None
+    try:
+        yield items
+    except Exception as e:  # a local check failed: tell the others before raising
+        error = e
+    _exchange(what, items, error, dict(fixes or {}))
+
+
+def _exchange(what: str, items: dict[str, Any], error: Exception | None, fixes) -> None:
+    me, count = jax.process_index(), jax.process_count()
+    if error is None:
+        try:
+            canon = {name: canonical(value) for name, value in items.items()}
+        except Exception as e:  # an item that cannot be described is a local failure
+            error, canon = e, {}
+    if error is None:
+        payload = json.dumps(canon, sort_keys=False).encode()
+        table = np.zeros((_SLOTS, _DIGEST_WORDS), np.uint32)
+        for i, (name, value) in enumerate(canon.items()):
+            table[i % _SLOTS] ^= _digest(json.dumps([name, value]).encode())
+        status, n = _OK, len(canon)
+    else:
+        payload = json.dumps({"type": type(error).__name__, "message": str(error)[:20000]}).encode()
+        table = np.zeros((_SLOTS, _DIGEST_WORDS), np.uint32)
+        status, n = _FAILED, 0
+    header = np.array([_VERSION, status, n, len(payload)], np.uint32)
+    everyone = np.asarray(
+        multihost_utils.process_allgather(np.concatenate([header, table.ravel()]))
+    )
+    if (everyone == everyone[0]).all() and everyone[0, 1] == _OK:
+        return
+    # The mismatch path (the same decision on every process): exchange the values.
+    lengths = everyone[:, 3].astype(np.int64)
+    buffer = np.zeros(max(1, int(lengths.max())), np.uint8)
+    buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buffer))
+    decoded = [json.loads(gathered[p, : lengths[p]].tobytes()) for p in range(count)]
+    failed = [p for p in range(count) if everyone[p, 1] != _OK]
+    if failed:
+        message = _failure_message(what, failed, decoded, count)
+        if error is not None:
+            error.add_note(
+                f"(unsplit: this is process {me} of {count}; the other processes were told "
+                "and raise too, before any step work.)"
+            )
+            raise error
+        raise AgreementError(message)
+    raise AgreementError(_mismatch_message(what, decoded, fixes))
+
+
+def _failure_message(what: str, failed: list[int], decoded: list[Any], count: int) -> str:
+    lines = [
+        f"{'process' if len(failed) == 1 else 'processes'} {_names(failed)} of {count} failed "
+        f"{'its' if len(failed) == 1 else 'their'} local checks in {what}; every process "
+        "stops here, before any step work. The error:"
+    ]
+    for p in failed:
+        lines.append(f"  process {p}: {decoded[p]['type']}: {decoded[p]['message']}")
+    lines.append(f"Fix: the error above, on process {_names(failed)} (see its log).")
+    return "\n".join(lines)
+
+
+def _mismatch_message(what: str, decoded: list[dict[str, Any]], fixes) -> str:
+    count = len(decoded)
+    names = list(dict.fromkeys(n for d in decoded for n in d))
+    differing = [
+        n for n in names if any(d.get(n, _MISSING) != decoded[0].get(n, _MISSING) for d in decoded)
+    ]
+    lines = [f"the {count} processes disagree in {what} on {', '.join(map(repr, differing))}:"]
+    for name in differing:
+        lines.append(f"  {name}: " + _difference([d.get(name, _MISSING) for d in decoded]))
+        fix = fixes.get(name, f"every process must pass the same {name}")
+        lines.append(f"    Fix: {fix}.")
+    return "\n".join(lines)
+
+
+_MISSING = "<not checked by this process: another version of the code?>"
+
+
+def _difference(values: list[Any]) -> str:
+    """Which processes have which value, at the first place where they differ."""
+    where = ""
+    while True:
+        first = values[0]
+        if all(isinstance(v, dict) for v in values):
+            keys = list(dict.fromkeys(k for v in values for k in v))
+            key = next(
+                (
+                    k
+                    for k in keys
+                    if any(v.get(k, _MISSING) != first.get(k, _MISSING) for v in values)
+                ),
+                None,
+            )
+            if key is None or len(keys) > 1 and all(len(v) != len(first) for v in values[1:]):
+                break
+            where += f"[{key!r}]" if not key.startswith("[") else key
+            values = [v.get(key, _MISSING) for v in values]
+        elif all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:
+            index = next(
+                (i for i in range(len(first)) if any(v[i] != first[i] for v in values)), None
+            )
+            if index is None:
+                break
+            where += f"[{index}]"
+            values = [v[index] for v in values]
+        else:
+            break
+    groups: dict[str, list[int]] = {}
+    for p, v in enumerate(values):
+        groups.setdefault(json.dumps(v), []).append(p)
+    shown = "; ".join(
+        f"process {_names(ps)} {'has' if len(ps) == 1 else 'have'} {_short(json.loads(v))}"
+        for v, ps in groups.items()
+    )
+    return (f"at {where}: " if where else "") + shown
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+
+
+def _names(processes: list[int]) -> str:
+    return ", ".join(str(p) for p in processes)
+
+
+def _digest(data: bytes) -> np.ndarray:
+    return np.frombuffer(hashlib.sha256(data).digest()[: 4 * _DIGEST_WORDS], np.uint32)
+
+
+def canonical(value: Any) -> Any:
+    """A JSON-able description of ``value`` that is equal across processes iff the values are."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, np.generic):
+        return canonical(value.item())
+    if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
+        return str(np.dtype(value))
+    if isinstance(value, Mapping):
+        return {str(k): canonical(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [canonical(v) for v in value]
+    if isinstance(value, jax.sharding.Mesh):
+        return {"mesh": {str(k): int(v) for k, v in value.shape.items()},
+                "axis types": [str(t) for t in value.axis_types]}  # fmt: skip
+    if isinstance(value, jax.sharding.PartitionSpec):
+        return str(value)
+    if isinstance(value, jax.Array | np.ndarray):
+        return _canonical_array(value)
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+    return repr(value)
+
+
+def _canonical_array(x: Any) -> Any:
+    if keys_lib.is_typed_key(x):
+        return {
+            "key": str(jax.random.key_impl(x)),
+            "data": _canonical_array(jax.random.key_data(x)),
+        }
+    local = local_copy(x)
+    dtype, shape = str(x.dtype), list(x.shape)
+    if local is None:
+        return {"array": f"{dtype}{shape}", "values": "sharded: not compared on the host"}
+    host = np.asarray(local)
+    if host.size <= _SMALL:
+        return {"array": f"{dtype}{shape}", "values": canonical(host.tolist())}
+    digest = hashlib.sha256(np.ascontiguousarray(host).tobytes()).hexdigest()[:16]
+    return {"array": f"{dtype}{shape}", "sha256": digest}
+
+
+def local_copy(x: Any) -> Any:
+    """A copy of ``x`` this process holds whole, or None if ``x`` is split over processes."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return x
+    if x.is_fully_replicated:
+        return x.addressable_data(0)
+    return None
+
+
+def tree_items(name: str, tree: Any, *, values: bool = True) -> dict[str, Any]:
+    """Items that pin down a pytree for :func:`agree`, each named after ``name``.
+
+    ``"<name> structure"`` (the leaves' paths), ``"<name> shapes and dtypes"``,
+    ``"<name> shardings"`` and, with ``values=True``, ``"<name> values"``: a
+    64-bit fingerprint of each leaf this process holds whole (host values and
+    replicated arrays; see :func:`unsplit._src.fingerprint.host_fingerprints`).
+    Only this last item touches the values: one jitted pass, one small read-back.
+
+    Example:
+        >>> import numpy as np
+        >>> from unsplit._src.agreement import tree_items
+        >>> items = tree_items("params", {"w": np.ones((2, 3), np.float32)})
+        >>> items["params shapes and dtypes"]
+        {"['w']": 'float32[2, 3]'}
+        >>> items["params values"]
+        {"['w']": '...'}
+    """
+    from unsplit._src import fingerprint as fingerprint_lib
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [jax.tree_util.keystr(path) or "(the whole tree)" for path, _ in flat]
+    leaves = [leaf for _, leaf in flat]
+    items: dict[str, Any] = {
+        f"{name} structure": paths,
+        f"{name} shapes and dtypes": {
+            p: _shape_dtype(x) for p, x in zip(paths, leaves, strict=True)
+        },
+        f"{name} shardings": {p: _sharding(x) for p, x in zip(paths, leaves, strict=True)},
+    }
+    if values:
+        prints = fingerprint_lib.host_fingerprints(leaves)
+        items[f"{name} values"] = {
+            p: fp or "sharded over processes: not compared on the host"
+            for p, fp in zip(paths, prints, strict=True)
+        }
+    return items
+
+
+def _shape_dtype(x: Any) -> str:
+    if keys_lib.is_typed_key(x):
+        return f"key<{jax.random.key_impl(x)}>{list(x.shape)}"
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return type(x).__name__
+    return f"{np.dtype(dtype) if not keys_lib.is_typed_key(x) else dtype}{list(np.shape(x))}"
+
+
+def _sharding(x: Any) -> str:
+    if not isinstance(x, jax.Array):
+        return "host"
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return f"{sharding.spec} over {dict(sharding.mesh.shape)}"
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return "one device"
+    return type(sharding).__name__
