@@ -125,7 +125,8 @@ def _exchange(what: str, items: dict[str, Any], error: Exception | None, fixes) 
         return
     # The mismatch path (the same decision on every process): exchange the values.
     lengths = everyone[:, 3].astype(np.int64)
-    buffer = np.zeros(max(1, int(lengths.max())), np.uint8)
+    # A power of two: few distinct shapes, so few compiled gathers.
+    buffer = np.zeros(1 << max(10, int(lengths.max()).bit_length()), np.uint8)
     buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
     gathered = np.asarray(multihost_utils.process_allgather(buffer))
     decoded = [json.loads(gathered[p, : lengths[p]].tobytes()) for p in range(count)]
@@ -160,7 +161,7 @@ def _mismatch_message(what: str, decoded: list[dict[str, Any]], fixes) -> str:
     differing = [
         n for n in names if any(d.get(n, _MISSING) != decoded[0].get(n, _MISSING) for d in decoded)
     ]
-    lines = [f"the {count} processes disagree in {what} on {', '.join(map(repr, differing))}:"]
+    lines = [f"the {count} processes disagree on the {' and the '.join(differing)} in {what}:"]
     for name in differing:
         lines.append(f"  {name}: " + _difference([d.get(name, _MISSING) for d in decoded]))
         fix = fixes.get(name, f"every process must pass the same {name}")
@@ -175,29 +176,22 @@ def _difference(values: list[Any]) -> str:
     """Which processes have which value, at the first place where they differ."""
     where = ""
     while True:
-        first = values[0]
         if all(isinstance(v, dict) for v in values):
-            keys = list(dict.fromkeys(k for v in values for k in v))
-            key = next(
-                (
-                    k
-                    for k in keys
-                    if any(v.get(k, _MISSING) != first.get(k, _MISSING) for v in values)
-                ),
-                None,
+            if any(list(v) != list(values[0]) for v in values):
+                where, values = where + " (the names)", [list(v) for v in values]
+                continue
+            key = next(k for k in values[0] if any(v[k] != values[0][k] for v in values))
+            where, values = (
+                where + (key if key.startswith("[") else f"[{key!r}]"),
+                [v[key] for v in values],
             )
-            if key is None or len(keys) > 1 and all(len(v) != len(first) for v in values[1:]):
-                break
-            where += f"[{key!r}]" if not key.startswith("[") else key
-            values = [v.get(key, _MISSING) for v in values]
-        elif all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:
-            index = next(
-                (i for i in range(len(first)) if any(v[i] != first[i] for v in values)), None
-            )
-            if index is None:
-                break
-            where += f"[{index}]"
-            values = [v[index] for v in values]
+        elif (
+            all(isinstance(v, list) for v in values)
+            and len({len(v) for v in values}) == 1
+            and any(isinstance(e, dict | list | str) for e in values[0])
+        ):
+            i = next(i for i in range(len(values[0])) if any(v[i] != values[0][i] for v in values))
+            where, values = where + f"[{i}]", [v[i] for v in values]
         else:
             break
     groups: dict[str, list[int]] = {}
@@ -207,7 +201,7 @@ def _difference(values: list[Any]) -> str:
         f"process {_names(ps)} {'has' if len(ps) == 1 else 'have'} {_short(json.loads(v))}"
         for v, ps in groups.items()
     )
-    return (f"at {where}: " if where else "") + shown
+    return (f"at {where.strip()}: " if where else "") + shown
 
 
 def _short(value: Any) -> str:
@@ -249,21 +243,19 @@ def canonical(value: Any) -> Any:
     return repr(value)
 
 
-def _canonical_array(x: Any) -> Any:
+def _canonical_array(x: Any) -> str:
     if keys_lib.is_typed_key(x):
-        return {
-            "key": str(jax.random.key_impl(x)),
-            "data": _canonical_array(jax.random.key_data(x)),
-        }
+        data = _canonical_array(jax.random.key_data(x)).split(" ", 1)[1]
+        return f"key<{jax.random.key_impl(x)}>{list(x.shape)} data {data}"
     local = local_copy(x)
-    dtype, shape = str(x.dtype), list(x.shape)
+    kind = f"{x.dtype}{list(x.shape)}"
     if local is None:
-        return {"array": f"{dtype}{shape}", "values": "sharded: not compared on the host"}
+        return f"{kind} (split over processes: its values are not compared on the host)"
     host = np.asarray(local)
     if host.size <= _SMALL:
-        return {"array": f"{dtype}{shape}", "values": canonical(host.tolist())}
+        return f"{kind} {canonical(host.tolist())}"
     digest = hashlib.sha256(np.ascontiguousarray(host).tobytes()).hexdigest()[:16]
-    return {"array": f"{dtype}{shape}", "sha256": digest}
+    return f"{kind} sha256 {digest}"
 
 
 def local_copy(x: Any) -> Any:

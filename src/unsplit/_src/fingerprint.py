@@ -147,6 +147,12 @@ def replicas_agree(tree: Any, mesh: jax.sharding.Mesh, specs: Sequence[P] | None
             f"specs must give one PartitionSpec per leaf; got {len(specs)=} for "
             f"{len(leaves)} leaves. Fix: pass specs=None, or one spec per leaf."
         )
+    return _checker(mesh, tuple(specs))(leaves)
+
+
+@functools.lru_cache(maxsize=64)
+def _checker(mesh: jax.sharding.Mesh, specs: tuple[P, ...]):
+    """The jitted check for one (mesh, specs): compiled once, inlined inside a caller's jit."""
     axes = tuple(mesh.axis_names)
     # Leaves replicated along the same axes are compared by one all_gather.
     groups: dict[tuple[str, ...], list[int]] = {}
@@ -171,10 +177,14 @@ def replicas_agree(tree: Any, mesh: jax.sharding.Mesh, specs: Sequence[P] | None
         # Every device returns the same answer: the minimum over the whole mesh.
         return jax.lax.pmin(ok.astype(jnp.int32), axes) > 0
 
-    if not groups:
-        return jnp.bool_(True)
-    run = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=P(), check_vma=False)
-    return run(*leaves)
+    @jax.jit
+    def check(leaves):
+        if not groups:
+            return jnp.bool_(True)
+        run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+        return run(*leaves)
+
+    return check
 
 
 def poison_unless(ok: jax.Array, tree: Any) -> Any:
@@ -200,7 +210,7 @@ def raise_unless(ok: jax.Array, message: str) -> None:
     def fail():
         raise ValueError(message)
 
-    jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(fail))
+    jax.lax.cond(ok, lambda: None, lambda: jax.debug.callback(fail, partitioned=True))
 
 
 @functools.cache
@@ -227,7 +237,7 @@ def host_fingerprints(leaves: Sequence[Any]) -> list[str | None]:
                 if not x.is_fully_replicated:
                     continue
                 x = x.addressable_data(0)
-            groups.setdefault(x.sharding.device_set, []).append((i, x))
+            groups.setdefault(frozenset(x.sharding.device_set), []).append((i, x))
         elif (words_ := _host_words(x)) is not None:
             groups.setdefault(None, []).append((i, jax.device_put(words_)))
         else:  # not numeric (a string, an object): its repr
