@@ -108,20 +108,8 @@ def run_local_processes(
             f"target must be 'module:function'; got {target=!r}. "
             "Fix: e.g. target='my_tests.workers:train_step'."
         )
-    env = dict(os.environ)
-    # Keep the caller's other XLA flags: they can change the compiled code, and the
-    # processes must compile exactly what the caller would.
-    flags = [
-        f
-        for f in env.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-    env["XLA_FLAGS"] = " ".join(flags)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONUNBUFFERED"] = "1"  # a killed worker's last lines still reach its log
+    env = worker_env(devices_per_process)
     env[_LAUNCHER_ENV] = str(os.getpid())
-    env.pop("JAX_NUM_CPU_DEVICES", None)
     payload = json.dumps(kwargs or {})
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="unsplit-launch-") as tmp:
@@ -130,11 +118,7 @@ def run_local_processes(
             for pid in range(num_processes):
                 out = os.path.join(tmp, f"result{pid}.json")
                 log = open(os.path.join(tmp, f"log{pid}.txt"), "w+")  # noqa: SIM115
-                cmd = [
-                    sys.executable, "-m", "unsplit.testing", "--target", target,
-                    "--process-id", str(pid), "--num-processes", str(num_processes),
-                    "--port", str(port), "--kwargs", payload, "--out", out,
-                ]  # fmt: skip
+                cmd = worker_command(target, pid, num_processes, port, payload, out)
                 logs.append(log)
                 procs.append(
                     subprocess.Popen(
@@ -158,6 +142,36 @@ def run_local_processes(
                 _kill(p)
             for log in logs:
                 log.close()
+
+
+def worker_env(devices_per_process: int) -> dict[str, str]:
+    """This process's environment for a worker: ``devices_per_process`` CPU devices."""
+    env = dict(os.environ)
+    # Keep the caller's other XLA flags: they can change the compiled code, and the
+    # processes must compile exactly what the caller would.
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONUNBUFFERED"] = "1"  # a killed worker's last lines still reach its log
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env.pop(_LAUNCHER_ENV, None)
+    return env
+
+
+def worker_command(
+    target: str, process_id: int, num_processes: int, port: int, kwargs_json: str, out: str
+) -> list[str]:
+    """The command line of one worker (``python -m unsplit.testing ...``)."""
+    return [
+        sys.executable, "-m", "unsplit.testing", "--target", target,
+        "--process-id", str(process_id), "--num-processes", str(num_processes),
+        "--port", str(port), "--kwargs", kwargs_json, "--out", out,
+    ]  # fmt: skip
 
 
 def _wait_all(procs, outs, logs, timeout_s: float) -> None:
