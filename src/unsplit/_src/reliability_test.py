@@ -3,8 +3,10 @@
 The agreement between processes has its own module (``agreement_test.py``).
 """
 
+import importlib
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import tempfile
@@ -257,3 +259,19 @@ def test_json_and_plot_must_be_different_files(capsys, tmp_path):
     err = _demo_error(capsys, "--json", path, "--plot", path)
     assert "--json and --plot name the same file" in err
     assert not os.path.exists(path)  # the write check leaves nothing behind
+
+
+# ---- docs/testing.md: its example runs as written --------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_the_testing_docs_example_runs(tmp_path, monkeypatch):
+    page = (pathlib.Path(__file__).parents[3] / "docs" / "testing.md").read_text()
+    section = page.split("## A test of your own step on 2 processes", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "multiprocess_doc_example.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)  # the workers import it by name too
+    example = importlib.import_module("multiprocess_doc_example")
+    example.test_two_processes_compute_the_one_device_step()
