@@ -49,8 +49,13 @@ def worker(quick: bool) -> dict:
     from unsplit._src import agreement
     from unsplit._src import fingerprint as fp
     from unsplit._src.test_util import replicated
-    from unsplit.models import Transformer, TransformerConfig, init_params, synthetic_batch
-    from unsplit.models import token_loss
+    from unsplit.models import (
+        Transformer,
+        TransformerConfig,
+        init_params,
+        synthetic_batch,
+        token_loss,
+    )
 
     if quick:
         config = TransformerConfig(vocab=32, length=16, width=32, heads=2, layers=1)
@@ -127,7 +132,6 @@ def worker(quick: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = common.bench_parser(__doc__).parse_args(argv)
-    from rich.console import Console
 
     import unsplit.testing
 

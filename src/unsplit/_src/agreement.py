@@ -98,6 +98,8 @@ def agreement(what: str, *, fixes: Mapping[str, str] | None = None) -> Iterator[
     except Exception as e:  # a local check failed: tell the others before raising
         error = e
     _exchange(what, items, error, dict(fixes or {}))
+    if error is not None:  # _exchange raises it; never let the context manager swallow it
+        raise error
 
 
 def _exchange(what: str, items: dict[str, Any], error: Exception | None, fixes) -> None:
@@ -108,10 +110,10 @@ def _exchange(what: str, items: dict[str, Any], error: Exception | None, fixes) 
         except Exception as e:  # an item that cannot be described is a local failure
             error, canon = e, {}
     if error is None:
-        payload = json.dumps(canon, sort_keys=False).encode()
+        payload = json.dumps(canon).encode()
         table = np.zeros((_SLOTS, _DIGEST_WORDS), np.uint32)
         for i, (name, value) in enumerate(canon.items()):
-            table[i % _SLOTS] ^= _digest(json.dumps([name, value]).encode())
+            table[i % _SLOTS] ^= _digest(json.dumps([name, value], sort_keys=True).encode())
         status, n = _OK, len(canon)
     else:
         payload = json.dumps({"type": type(error).__name__, "message": str(error)[:20000]}).encode()
@@ -161,6 +163,11 @@ def _mismatch_message(what: str, decoded: list[dict[str, Any]], fixes) -> str:
     differing = [
         n for n in names if any(d.get(n, _MISSING) != decoded[0].get(n, _MISSING) for d in decoded)
     ]
+    if not differing:  # equal values, different digests: another version of unsplit?
+        return (
+            f"the {count} processes check the same values differently in {what}. Fix: run the "
+            "same version of unsplit (and of your code) on every process."
+        )
     lines = [f"the {count} processes disagree on the {' and the '.join(differing)} in {what}:"]
     for name in differing:
         lines.append(f"  {name}: " + _difference([d.get(name, _MISSING) for d in decoded]))
@@ -282,8 +289,8 @@ def tree_items(name: str, tree: Any, *, values: bool = True) -> dict[str, Any]:
         >>> items = tree_items("params", {"w": np.ones((2, 3), np.float32)})
         >>> items["params shapes and dtypes"]
         {"['w']": 'float32[2, 3]'}
-        >>> items["params values"]
-        {"['w']": '...'}
+        >>> len(items["params values"]["['w']"])  # 64 bits in hex
+        16
     """
     from unsplit._src import fingerprint as fingerprint_lib
 
