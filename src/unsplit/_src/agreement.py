@@ -23,7 +23,7 @@ process nothing is exchanged and local errors propagate unchanged.
 Example:
     >>> import jax
     >>> from unsplit._src import agreement
-    >>> with agreement.agreement("my step's first call") as items:
+    >>> with agreement.agreeing("my step's first call") as items:
     ...     items["microbatches"] = 4  # a local check may raise here instead
     >>> agreement.agree({"mode": "bitwise"}, what="my step's first call")
 """
@@ -75,12 +75,12 @@ def agree(items: Mapping[str, Any], *, what: str, fixes: Mapping[str, str] | Non
         AgreementError: on every process, naming each differing item, which
             process has which value, and the fix.
     """
-    with agreement(what, fixes=fixes) as mine:
+    with agreeing(what, fixes=fixes) as mine:
         mine.update(items)
 
 
 @contextlib.contextmanager
-def agreement(what: str, *, fixes: Mapping[str, str] | None = None) -> Iterator[dict[str, Any]]:
+def agreeing(what: str, *, fixes: Mapping[str, str] | None = None) -> Iterator[dict[str, Any]]:
     """Runs the body's local checks, then agrees on the items it fills in.
 
     The body fills the yielded dict with the items to compare. An exception in
@@ -143,6 +143,26 @@ def _exchange(what: str, items: dict[str, Any], error: Exception | None, fixes) 
             raise error
         raise AgreementError(message)
     raise AgreementError(_mismatch_message(what, decoded, fixes))
+
+
+def signature(items: Mapping[str, Any]) -> np.ndarray:
+    """``uint32[4]``: a 128-bit digest of ``items``, to compare inside a compiled program.
+
+    For a step traced inside a user's ``jax.jit``, where a host exchange is not
+    safe: embed ``jnp.asarray(signature(static_items))`` (settings, shapes) as a
+    constant and compare it across devices with
+    :func:`unsplit._src.fingerprint.replicas_agree`. Processes that traced
+    different programs then see it on device.
+
+    Example:
+        >>> from unsplit._src.agreement import signature
+        >>> (signature({"microbatches": 2}) == signature({"microbatches": 2})).all()
+        np.True_
+        >>> (signature({"microbatches": 2}) == signature({"microbatches": 4})).all()
+        np.False_
+    """
+    canon = {name: canonical(value) for name, value in items.items()}
+    return _digest(json.dumps(canon, sort_keys=True).encode()).copy()
 
 
 def _failure_message(what: str, failed: list[int], decoded: list[Any], count: int) -> str:

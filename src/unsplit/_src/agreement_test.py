@@ -19,7 +19,7 @@ TIMEOUT = 180  # seconds for the one launch; every process is killed when it exp
 def test_one_process_agrees_without_exchanging_and_local_errors_propagate_unchanged():
     assert not agreement.needed()
     agreement.agree({"microbatches": 4}, what="the test")
-    with pytest.raises(KeyError, match="mine"), agreement.agreement("the test") as items:
+    with pytest.raises(KeyError, match="mine"), agreement.agreeing("the test") as items:
         items["a"] = 1
         raise KeyError("mine")
 
@@ -150,7 +150,7 @@ def worker_cases():
         return jax.make_array_from_process_local_data(jax.NamedSharding(mesh, jax.P()), x)
 
     def local_failure():
-        with agreement.agreement("the step's first call") as items:
+        with agreement.agreeing("the step's first call") as items:
             items.update(settings)
             if me == 1:
                 raise ValueError("batch leaf ['x'] is a scalar (on purpose)")
@@ -159,6 +159,9 @@ def worker_cases():
     ragged = {"x": np.ones((4, 3), np.float32), "y": np.ones((4 if me == 0 else 5,))}
     traced_key = jax.jit(lambda k: fp.replicas_agree(jax.random.wrap_key_data(k), mesh))
     traced_params = jax.jit(lambda p: fp.replicas_agree(p, mesh))
+    # Each process traces its own constant: different programs, the same collectives.
+    mine = agreement.signature({"microbatches": 2 + 2 * me})
+    traced_settings = jax.jit(lambda: fp.replicas_agree(jnp.asarray(mine), mesh))
     return {
         "equal": _attempt(lambda: agree({**settings, **agreement.tree_items("params", params)})),
         "settings": _attempt(lambda: agree({**settings, "microbatches": 2 + 2 * me})),
@@ -176,6 +179,7 @@ def worker_cases():
         "traced key equal": bool(traced_key(np.array([0, 5], np.uint32))),
         "traced key": bool(traced_key(np.array([0, 5 + me], np.uint32))),
         "traced params": bool(traced_params(other)),
+        "traced settings": bool(traced_settings()),
         "after": _attempt(lambda: agree(settings)),  # still in step after all the above
     }
 
@@ -229,3 +233,4 @@ def test_two_processes_agree_or_all_raise_naming_the_difference():
     # Traced values (a user's jit) that differ between processes are seen on device.
     assert [c["traced key"] for c in cases] == [False, False]
     assert [c["traced params"] for c in cases] == [False, False]
+    assert [c["traced settings"] for c in cases] == [False, False]

@@ -91,7 +91,7 @@ def global_batch(
     agree_now = check == "always" or (check == "first" and _calls == 0)
     _calls += 1
     if agree_now:
-        with agreement.agreement("unsplit.global_batch", fixes=_FIXES) as items:
+        with agreement.agreeing("unsplit.global_batch", fixes=_FIXES) as items:
             axes, rows, blocks_here, blocks_total, local_ids = _prepare(
                 local_batch, mesh, local_ids, batch_axes, items
             )

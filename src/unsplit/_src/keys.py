@@ -24,7 +24,10 @@ give distinct keys** (no birthday bound). With ``jax_enable_x64`` on, pass
 ``int64``/``uint64`` arrays. With it off (JAX's default) a JAX array cannot
 hold 64-bit integers, so pass either a NumPy ``int64``/``uint64`` array (split
 exactly on the host) or an :class:`Ids64` built by :func:`ids64` (two
-``uint32`` words, usable inside ``jit``).
+``uint32`` words, usable inside ``jit``). Never pass an ``int64`` NumPy array
+as an argument of your own ``jax.jit`` with x64 off: JAX converts it to
+``int32`` without an error (id ``2**33 + i`` arrives as ``i``), and nothing
+inside the function can tell; pass ``ids64(ids)`` instead.
 
 **What is tied, what is independent.**
 
