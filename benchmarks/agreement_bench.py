@@ -167,7 +167,12 @@ def main(argv: list[str] | None = None) -> None:
          "step time vs the same jitted step without it"],
     ]  # fmt: skip
     header = ["check (2 processes x 2 CPU devices, gloo)", "cost", "relative"]
-    body = common.markdown_table(header, rows)
+    load = os.getloadavg()[0]
+    body = common.markdown_table(header, rows) + (
+        f"\n\nLoad average at the end of the run: {load:.1f} on {os.cpu_count()} cores (the "
+        "machine is shared; cold costs are mostly XLA compile time and grow with the load). "
+        "Ratios below 1 are noise: the checked and plain steps take the same time."
+    )
     print(body)
     if common.should_write(args):
         print(f"wrote {common.write_table(DOC, MARKER, body)}")

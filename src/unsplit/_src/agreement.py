@@ -260,7 +260,8 @@ def canonical(value: Any) -> Any:
         return [canonical(v) for v in value]
     if isinstance(value, jax.sharding.Mesh):
         return {"mesh": {str(k): int(v) for k, v in value.shape.items()},
-                "axis types": [str(t) for t in value.axis_types]}  # fmt: skip
+                "axis types": [str(t) for t in value.axis_types],
+                "device ids": np.asarray(value.device_ids).ravel().tolist()}  # fmt: skip
     if isinstance(value, jax.sharding.PartitionSpec):
         return str(value)
     if isinstance(value, jax.Array | np.ndarray):

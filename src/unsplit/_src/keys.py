@@ -108,7 +108,7 @@ def _check_words(hi: Any, lo: Any) -> None:
     """
     shapes = []
     for name, word in (("hi", hi), ("lo", lo)):
-        if isinstance(word, float | complex | list | tuple):
+        if isinstance(word, float | complex | list):  # not tuples: tree.map(np.shape, ids)
             word = np.asarray(word)
         dtype = getattr(word, "dtype", None)
         if dtype is None:
