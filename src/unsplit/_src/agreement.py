@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -41,14 +40,17 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from unsplit._src import keys as keys_lib
+from unsplit._src.agreement_items import KEY_FIX as KEY_FIX
+from unsplit._src.agreement_items import STEP_FIXES as STEP_FIXES
+from unsplit._src.agreement_items import canonical as canonical
+from unsplit._src.agreement_items import local_copy as local_copy
+from unsplit._src.agreement_items import step_items as step_items
+from unsplit._src.agreement_items import tree_items as tree_items
 
 _VERSION = 1
 _OK, _FAILED = 0, 1
 _SLOTS = 64  # items beyond 64 share slots (their digests are XORed): still caught
 _DIGEST_WORDS = 4  # 128 bits per item
-_HEADER = 4  # version, status, number of items, payload bytes
-_SMALL = 64  # arrays up to this many elements are shown by value in messages
 _SHOWN = 240  # characters of a value shown in a message
 
 
@@ -183,6 +185,12 @@ def _mismatch_message(what: str, decoded: list[dict[str, Any]], fixes) -> str:
     differing = [
         n for n in names if any(d.get(n, _MISSING) != decoded[0].get(n, _MISSING) for d in decoded)
     ]
+    # A tree whose structure differs also differs in its per-leaf items: say it once.
+    trees = [n.removesuffix(" structure") for n in differing if n.endswith(" structure")]
+    differing = [
+        n for n in differing
+        if not any(n.startswith(f"{t} ") and not n.endswith(" structure") for t in trees)
+    ]  # fmt: skip
     if not differing:  # equal values, different digests: another version of unsplit?
         return (
             f"the {count} processes check the same values differently in {what}. Fix: run the "
@@ -205,7 +213,7 @@ def _difference(values: list[Any]) -> str:
     while True:
         if all(isinstance(v, dict) for v in values):
             if any(list(v) != list(values[0]) for v in values):
-                where, values = where + " (the names)", [list(v) for v in values]
+                where, values = where + " the names", [list(v) for v in values]
                 continue
             key = next(k for k in values[0] if any(v[k] != values[0][k] for v in values))
             where, values = (
@@ -242,113 +250,3 @@ def _names(processes: list[int]) -> str:
 
 def _digest(data: bytes) -> np.ndarray:
     return np.frombuffer(hashlib.sha256(data).digest()[: 4 * _DIGEST_WORDS], np.uint32)
-
-
-def canonical(value: Any) -> Any:
-    """A JSON-able description of ``value`` that is equal across processes iff the values are."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if isinstance(value, np.generic):
-        return canonical(value.item())
-    if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
-        return str(np.dtype(value))
-    if isinstance(value, Mapping):
-        return {str(k): canonical(v) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        return [canonical(v) for v in value]
-    if isinstance(value, jax.sharding.Mesh):
-        return {"mesh": {str(k): int(v) for k, v in value.shape.items()},
-                "axis types": [str(t) for t in value.axis_types],
-                "device ids": np.asarray(value.device_ids).ravel().tolist()}  # fmt: skip
-    if isinstance(value, jax.sharding.PartitionSpec):
-        return str(value)
-    if isinstance(value, jax.Array | np.ndarray):
-        return _canonical_array(value)
-    if callable(value):
-        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
-    return repr(value)
-
-
-def _canonical_array(x: Any) -> str:
-    if keys_lib.is_typed_key(x):
-        data = _canonical_array(jax.random.key_data(x)).split(" ", 1)[1]
-        return f"key<{jax.random.key_impl(x)}>{list(x.shape)} data {data}"
-    local = local_copy(x)
-    kind = f"{x.dtype}{list(x.shape)}"
-    if local is None:
-        return f"{kind} (split over processes: its values are not compared on the host)"
-    host = np.asarray(local)
-    if host.size <= _SMALL:
-        return f"{kind} {canonical(host.tolist())}"
-    digest = hashlib.sha256(np.ascontiguousarray(host).tobytes()).hexdigest()[:16]
-    return f"{kind} sha256 {digest}"
-
-
-def local_copy(x: Any) -> Any:
-    """A copy of ``x`` this process holds whole, or None if ``x`` is split over processes."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return x
-    if x.is_fully_replicated:
-        return x.addressable_data(0)
-    return None
-
-
-def tree_items(name: str, tree: Any, *, values: bool = True) -> dict[str, Any]:
-    """Items that pin down a pytree for :func:`agree`, each named after ``name``.
-
-    ``"<name> structure"`` (the leaves' paths), ``"<name> shapes and dtypes"``,
-    ``"<name> shardings"`` and, with ``values=True``, ``"<name> values"``: a
-    64-bit fingerprint of each leaf this process holds whole (host values and
-    replicated arrays; see :func:`unsplit._src.fingerprint.host_fingerprints`).
-    Only this last item touches the values: one jitted pass, one small read-back.
-
-    Example:
-        >>> import numpy as np
-        >>> from unsplit._src.agreement import tree_items
-        >>> items = tree_items("params", {"w": np.ones((2, 3), np.float32)})
-        >>> items["params shapes and dtypes"]
-        {"['w']": 'float32[2, 3]'}
-        >>> len(items["params values"]["['w']"])  # 64 bits in hex
-        16
-    """
-    from unsplit._src import fingerprint as fingerprint_lib
-
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [jax.tree_util.keystr(path) or "(the whole tree)" for path, _ in flat]
-    leaves = [leaf for _, leaf in flat]
-    items: dict[str, Any] = {
-        f"{name} structure": paths,
-        f"{name} shapes and dtypes": {
-            p: _shape_dtype(x) for p, x in zip(paths, leaves, strict=True)
-        },
-        f"{name} shardings": {p: _sharding(x) for p, x in zip(paths, leaves, strict=True)},
-    }
-    if values:
-        prints = fingerprint_lib.host_fingerprints(leaves)
-        items[f"{name} values"] = {
-            p: fp or "sharded over processes: not compared on the host"
-            for p, fp in zip(paths, prints, strict=True)
-        }
-    return items
-
-
-def _shape_dtype(x: Any) -> str:
-    if keys_lib.is_typed_key(x):
-        return f"key<{jax.random.key_impl(x)}>{list(x.shape)}"
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return type(x).__name__
-    return f"{np.dtype(dtype) if not keys_lib.is_typed_key(x) else dtype}{list(np.shape(x))}"
-
-
-def _sharding(x: Any) -> str:
-    if not isinstance(x, jax.Array):
-        return "host"
-    sharding = x.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return f"{sharding.spec} over {dict(sharding.mesh.shape)}"
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return "one device"
-    return type(sharding).__name__

@@ -69,6 +69,20 @@ def test_tree_items_describe_structure_shapes_shardings_and_values():
     assert agreement.tree_items("params", changed)["params values"]["['w']"] != values["['w']"]
 
 
+def test_every_item_of_a_step_has_its_fix():
+    mesh = jax.make_mesh((2,), ("data",))
+    settings = {"bitwise": False, "microbatches": 2, "chunk_size": None, "weighted": True}
+    settings |= {"batch_axes": ("data",), "mesh": mesh}
+    batch = {"x": np.ones((4, 3), np.float32)}
+    items = agreement.step_items(settings, {"w": np.ones(3)}, batch, jax.random.key(0), None)
+    assert set(items) - {"ids"} <= set(agreement.STEP_FIXES)
+    items = agreement.step_items(
+        settings, {"w": np.ones(3)}, batch, jax.random.key(0), np.arange(4)
+    )
+    assert set(items) <= set(agreement.STEP_FIXES)
+    assert items["batch values"] == {"['x']": agreement.tree_items("b", batch)["b values"]["['x']"]}
+
+
 def test_fingerprint_sees_one_bit_and_is_the_same_on_any_device_and_sharding():
     x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
     flipped = x.copy()
@@ -141,7 +155,7 @@ def worker_cases():
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     params = {"b": np.zeros(3, np.float32), "w": np.ones((2, 3), np.float32)}
     other = {"b": params["b"], "w": params["w"] + (me == 1)}
-    settings = {"mode": "default", "microbatches": 2, "mesh": mesh}
+    settings = {"bitwise": False, "microbatches": 2, "mesh": mesh}
 
     def agree(items):
         return agreement.agree(items, what="the step's first call")
@@ -155,6 +169,10 @@ def worker_cases():
             if me == 1:
                 raise ValueError("batch leaf ['x'] is a scalar (on purpose)")
 
+    def step_first_call(batch, **changes):
+        items = agreement.step_items({**settings, **changes}, params, batch, jax.random.key(0))
+        agreement.agree(items, what="the step's first call", fixes=agreement.STEP_FIXES)
+
     rows = {"x": np.ones((4 if me == 0 else 6, 3), np.float32)}
     ragged = {"x": np.ones((4, 3), np.float32), "y": np.ones((4 if me == 0 else 5,))}
     traced_key = jax.jit(lambda k: fp.replicas_agree(jax.random.wrap_key_data(k), mesh))
@@ -165,6 +183,8 @@ def worker_cases():
     return {
         "equal": _attempt(lambda: agree({**settings, **agreement.tree_items("params", params)})),
         "settings": _attempt(lambda: agree({**settings, "microbatches": 2 + 2 * me})),
+        "step equal": _attempt(lambda: step_first_call({"x": np.ones((4, 3), np.float32)})),
+        "step bitwise": _attempt(lambda: step_first_call(rows, bitwise=me == 1)),
         "params": _attempt(lambda: agree(agreement.tree_items("params", other))),
         "replicated params": _attempt(
             lambda: agree(agreement.tree_items("params", replicated(other["w"])))
@@ -190,9 +210,12 @@ MISMATCHES = {
     "params": r"disagree on the params values .*at \['w'\]: process 0 has [0-9a-f]{16}; "
     r"process 1 has [0-9a-f]{16}",
     "replicated params": r"disagree on the params values",
-    "structure": r"disagree on the params structure and the params shapes and dtypes and the "
-    r"params shardings and the params values.*at \[1\]: process 0 has \['w0'\]; process 1 "
-    r"has \['w1'\]",
+    "step bitwise": r"disagree on the bitwise and the batch shapes and dtypes and the batch "
+    r"values in the step's first call:\n  bitwise: process 0 has false; process 1 has true\n"
+    r"    Fix: build the step with the same bitwise= on every process.\n  batch shapes and "
+    r"dtypes: at \['x'\]: process 0 has float32\[4, 3\]; process 1 has float32\[6, 3\]",
+    "structure": r"disagree on the params structure in the step's first call:\n  params "
+    r"structure: at \[1\]: process 0 has \['w0'\]; process 1 has \['w1'\]\n    Fix: [^\n]*$",
     "key": r"disagree on the step key in the step:\n  step key: process 0 has "
     r"key<threefry2x32>\[\] data \[0, 5\]; process 1 has key<threefry2x32>\[\] data "
     r"\[0, 6\]\n    Fix: derive the key from a shared seed",
@@ -209,6 +232,7 @@ def test_two_processes_agree_or_all_raise_naming_the_difference():
     )
     # Processes that agree pass, and stay in step after every failure below.
     assert [c["equal"] for c in cases] == ["ok", "ok"]
+    assert [c["step equal"] for c in cases] == ["ok", "ok"]
     assert [c["after"] for c in cases] == ["ok", "ok"]
     assert [c["traced key equal"] for c in cases] == [True, True]
     # A mismatch raises on every process, naming the item, the processes and the fix.

@@ -231,10 +231,5 @@ def check_same_key(key: jax.Array) -> None:
     """
     if not agreement.needed():
         return
-    agreement.agree({"step key": key}, what="the step", fixes={"step key": KEY_FIX})
-
-
-KEY_FIX = (
-    "derive the key from a shared seed and the shared step number, e.g. "
-    "jax.random.fold_in(jax.random.key(seed), step), on every process"
-)
+    fixes = {"step key": agreement.KEY_FIX}
+    agreement.agree({"step key": key}, what="the step", fixes=fixes)
