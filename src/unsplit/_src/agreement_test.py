@@ -180,6 +180,17 @@ def worker_cases():
     # Each process traces its own constant: different programs, the same collectives.
     mine = agreement.signature({"microbatches": 2 + 2 * me})
     traced_settings = jax.jit(lambda: fp.replicas_agree(jnp.asarray(mine), mesh))
+
+    @jax.jit
+    def user_step(raw_key, x):  # a user's jitted step: poisons and raises on a mismatch
+        ok = fp.replicas_agree(jax.random.wrap_key_data(raw_key), mesh)
+        fp.raise_unless(ok, "processes disagree on the step key inside jax.jit")
+        return fp.poison_unless(ok, 2.0 * x)
+
+    def run_user_step(raw_key):
+        out = user_step(np.asarray(raw_key, np.uint32), np.ones(2, np.float32))
+        return np.asarray(out.addressable_data(0)).tolist()
+
     return {
         "equal": _attempt(lambda: agree({**settings, **agreement.tree_items("params", params)})),
         "settings": _attempt(lambda: agree({**settings, "microbatches": 2 + 2 * me})),
@@ -200,6 +211,8 @@ def worker_cases():
         "traced key": bool(traced_key(np.array([0, 5 + me], np.uint32))),
         "traced params": bool(traced_params(other)),
         "traced settings": bool(traced_settings()),
+        "user step equal": _attempt(lambda: run_user_step([0, 5])),
+        "user step": _attempt(lambda: run_user_step([0, 5 + me])),
         "after": _attempt(lambda: agree(settings)),  # still in step after all the above
     }
 
@@ -258,3 +271,8 @@ def test_two_processes_agree_or_all_raise_naming_the_difference():
     assert [c["traced key"] for c in cases] == [False, False]
     assert [c["traced params"] for c in cases] == [False, False]
     assert [c["traced settings"] for c in cases] == [False, False]
+    # ... and a user's step can raise on every process, from a callback run only then.
+    assert [c["user step equal"] for c in cases] == [[2.0, 2.0], [2.0, 2.0]]
+    for c in cases:
+        assert c["user step"].startswith("JaxRuntimeError"), c["user step"]
+        assert "processes disagree on the step key inside jax.jit" in c["user step"]
