@@ -86,7 +86,8 @@ def run_local_processes(
 
     Args:
         target: the function to run in every process, as ``"module:function"``
-            (importable by the workers: a module on ``sys.path`` or installed);
+            or the (module-level) function itself; the workers import it from
+            the current folder, ``PYTHONPATH`` or the installed packages;
             it is called as ``function(**kwargs)`` after ``jax.distributed`` is
             initialized, and must return something ``json.dumps`` accepts.
         num_processes: how many processes to start.
@@ -103,7 +104,16 @@ def run_local_processes(
             exited with a non-zero code) or time ran out. Every process has been
             killed when it is raised.
     """
-    if ":" not in target:
+    if callable(target):  # a module-level function: its importable name
+        module, name = getattr(target, "__module__", None), target.__qualname__
+        if module in (None, "__main__") or "<locals>" in name:
+            raise ValueError(
+                f"target {name!r} cannot be imported by the workers (defined in {module!r}); "
+                "Fix: define it at module level in an importable module, or pass "
+                "'module:function'."
+            )
+        target = f"{module}:{name}"
+    if not isinstance(target, str) or ":" not in target:
         raise ValueError(
             f"target must be 'module:function'; got {target=!r}. "
             "Fix: e.g. target='my_tests.workers:train_step'."
@@ -317,7 +327,17 @@ def _run_target(args: argparse.Namespace) -> Any:
         heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
     )
     module_name, _, fn_name = args.target.partition(":")
-    fn = getattr(importlib.import_module(module_name), fn_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not module_name.startswith(e.name):
+            raise
+        raise ModuleNotFoundError(
+            f"the worker cannot import {module_name!r} ({e}); it searches the current folder "
+            f"and PYTHONPATH={os.environ.get('PYTHONPATH', '')!r}. Fix: run from the folder "
+            "that contains it, add that folder to PYTHONPATH, or install the package."
+        ) from e
+    fn = getattr(module, fn_name)
     return fn(**json.loads(args.kwargs))
 
 

@@ -85,6 +85,16 @@ def test_a_failing_process_ends_the_launch_quickly_naming_it(how, survivor, mess
 
 
 @pytest.mark.multiprocess
+def test_the_target_can_be_the_function_and_an_unimportable_one_is_explained():
+    results = launch.run_local_processes(launch.describe, timeout_s=120)
+    assert [r["process_index"] for r in results] == [0, 1]
+    with pytest.raises(launch.LaunchError, match=r"cannot import 'no_such_module_xyz'.*PYTHONPATH"):
+        launch.run_local_processes("no_such_module_xyz:main", timeout_s=120)
+    with pytest.raises(ValueError, match=r"cannot be imported by the workers"):
+        launch.run_local_processes(lambda: None)
+
+
+@pytest.mark.multiprocess
 def test_without_the_launcher_jax_distributed_ends_the_survivor():
     """The workers' own settings: a raising peer exits at once, its heartbeat stops."""
     with tempfile.TemporaryDirectory() as tmp:
