@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
          f"{r['check_warm_s'] / r['warm_step_s']:.1%} of a warm step ({ms(r['warm_step_s'])})"],
         [f"  of which: params fingerprint ({r['param_mib']:.1f} MiB, {r['param_leaves']} leaves)",
          ms(r["fingerprint_s"]), ""],
-        ["global_batch, first call (agrees on rows)", ms(r["global_batch_first_s"]), ""],
+        ["global_batch, first call (agrees on rows; the first collective of the program)", ms(r["global_batch_first_s"]), ""],
         ["per step, host path after the first call", "0 (not run)", "nothing is exchanged"],
         ["per step if the key were agreed on the host every call", ms(r["key_agree_s"]),
          f"{r['key_agree_s'] / r['warm_step_s']:.1%} of a warm step, and a host sync"],
