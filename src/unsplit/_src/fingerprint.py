@@ -258,5 +258,7 @@ def _host_words(x: Any) -> np.ndarray | None:
         return arr.astype(np.uint32).reshape(-1)
     if np.issubdtype(arr.dtype, np.complexfloating):
         arr = np.ascontiguousarray(np.stack([arr.real, arr.imag]))
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[arr.dtype.itemsize]
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}.get(arr.dtype.itemsize)
+    if unsigned is None:  # e.g. np.longdouble: no JAX counterpart
+        return None
     return arr.view(unsigned).astype(np.uint32).reshape(-1)
