@@ -9,6 +9,7 @@ is read when the first device is created, not when jax is imported.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = demo.add_argument_group("training")
     run.add_argument(
         "--steps",
-        type=int,
+        type=_integer("steps", 2),
         help=f"Adam steps per schedule (default {d.steps}; quick {quick['steps']})",
     )
     run.add_argument(
@@ -92,9 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(XLA_FLAGS --xla_backend_optimization_level=0), for a check in under a minute: "
         + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in quick.items()),
     )
-    run.add_argument("--seed", type=int, help=f"the one seed of every run (default {d.seed})")
     run.add_argument(
-        "--learning-rate", type=float, help=f"Adam's learning rate (default {d.learning_rate})"
+        "--seed",
+        type=_integer("seed", 0, 2**63 - 1),
+        help=f"the one seed of every run (default {d.seed})",
+    )
+    run.add_argument(
+        "--learning-rate",
+        type=_number("learning_rate", 0.0, None),
+        help=f"Adam's learning rate (default {d.learning_rate})",
     )
     run.add_argument(
         "--no-processes",
@@ -103,16 +110,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model = demo.add_argument_group("model and data")
     model.add_argument(
-        "--batch-size", type=int, help=f"global batch, a multiple of 8 (default {d.batch_size})"
-    )
-    model.add_argument("--length", type=int, help=f"characters per example (default {d.length})")
-    model.add_argument("--width", type=int, help=f"model width (default {d.width})")
-    model.add_argument("--layers", type=int, help=f"transformer blocks (default {d.layers})")
-    model.add_argument(
-        "--heads", type=int, help=f"attention heads, dividing width (default {d.heads})"
+        "--batch-size",
+        type=_integer("batch_size", 8),
+        help=f"global batch, a multiple of 8 (default {d.batch_size})",
     )
     model.add_argument(
-        "--dropout", type=float, help=f"dropout rate, residual and attention (default {d.dropout})"
+        "--length", type=_integer("length", 4), help=f"characters per example (default {d.length})"
+    )
+    model.add_argument(
+        "--width", type=_integer("width", 1), help=f"model width (default {d.width})"
+    )
+    model.add_argument(
+        "--layers", type=_integer("layers", 1), help=f"transformer blocks (default {d.layers})"
+    )
+    model.add_argument(
+        "--heads",
+        type=_integer("heads", 1),
+        help=f"attention heads, dividing width (default {d.heads})",
+    )
+    model.add_argument(
+        "--dropout",
+        type=_number("dropout", 0.0, 1.0),
+        help=f"dropout rate, residual and attention (default {d.dropout})",
     )
     out = demo.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write every row and curve as JSON to PATH")
@@ -123,6 +142,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     return parser
+
+
+def _integer(name: str, low: int, high: int | None = None):
+    """An argparse type: an int in ``[low, high]``, refused argparse-style otherwise."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # a ValueError reads "invalid int value: 'TEXT'"
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, 2**63 - 1]"
+            raise argparse.ArgumentTypeError(f"{name} must be {bounds} (an integer); got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _number(name: str, low: float, high: float | None):
+    """An argparse type: a finite float in ``(low, high)``; nan and inf are refused."""
+
+    def parse(text: str) -> float:
+        value = float(text)  # a ValueError reads "invalid float value: 'TEXT'"
+        if high is None and not (math.isfinite(value) and value > low):
+            raise argparse.ArgumentTypeError(f"{name} must be > {low:g} and finite; got {text}")
+        if high is not None and not low < value < high:
+            raise argparse.ArgumentTypeError(f"{name} must be in ({low:g}, {high:g}); got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +237,31 @@ def _check_output(parser: argparse.ArgumentParser, option: str, path: str | None
         )
     if os.path.isdir(path):
         parser.error(f"{option} {path} is a folder; expected a file path, e.g. {path}/demo.png.")
+    existed = os.path.exists(path)
+    try:  # the run takes minutes: find out now that the file cannot be written
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        parser.error(
+            f"{option} {path}: cannot write there ({e.strerror}). Fix: pass a path in a folder "
+            "you can write to."
+        )
+    if not existed:
+        os.remove(path)
+
+
+def _check_plot_format(parser: argparse.ArgumentParser, path: str | None) -> None:
+    extension = os.path.splitext(path or "")[1].lstrip(".").lower()
+    if not extension:
+        return  # matplotlib writes a PNG
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if extension not in formats:
+        parser.error(
+            f"--plot {path}: matplotlib cannot write '.{extension}' files; it writes "
+            f"{', '.join(formats)}. Fix: e.g. --plot demo.png."
+        )
 
 
 def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -197,6 +270,12 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         config.check()
     except (TypeError, ValueError) as e:
         parser.error(f"demo: {e}")
+    if args.json and args.plot and os.path.realpath(args.json) == os.path.realpath(args.plot):
+        parser.error(
+            f"--json and --plot name the same file ({args.json}); the plot would overwrite "
+            "the JSON. Fix: pass two paths, e.g. --json demo.json --plot demo.png."
+        )
+    _check_plot_format(parser, args.plot)
     _check_output(parser, "--json", args.json)
     _check_output(parser, "--plot", args.plot)
     setup_jax_environment(fast_compile=args.quick)

@@ -65,7 +65,7 @@ def test_launcher_starts_processes_and_collects_results():
 
 
 def test_launcher_reports_a_failing_worker_and_cleans_up():
-    with pytest.raises(launch.LaunchError, match=r"exited with code"):
+    with pytest.raises(launch.LaunchError, match=r"process [01] of 2 failed \(exit code 1\)"):
         launch.run_local_processes("unsplit._src.launch:no_such_function", timeout_s=TIMEOUT)
 
 

@@ -24,7 +24,10 @@ give distinct keys** (no birthday bound). With ``jax_enable_x64`` on, pass
 ``int64``/``uint64`` arrays. With it off (JAX's default) a JAX array cannot
 hold 64-bit integers, so pass either a NumPy ``int64``/``uint64`` array (split
 exactly on the host) or an :class:`Ids64` built by :func:`ids64` (two
-``uint32`` words, usable inside ``jit``).
+``uint32`` words, usable inside ``jit``). Never pass an ``int64`` NumPy array
+as an argument of your own ``jax.jit`` with x64 off: JAX converts it to
+``int32`` without an error (id ``2**33 + i`` arrives as ``i``), and nothing
+inside the function can tell; pass ``ids64(ids)`` instead.
 
 **What is tied, what is independent.**
 
@@ -82,6 +85,9 @@ class Ids64:
     hi: jax.Array  # dtype=uint32, the id's upper 32 bits
     lo: jax.Array  # dtype=uint32, the id's lower 32 bits
 
+    def __post_init__(self):
+        _check_words(self.hi, self.lo)
+
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.lo.shape)
@@ -91,6 +97,43 @@ class Ids64:
 
     def reshape(self, *shape: int) -> Ids64:
         return Ids64(hi=self.hi.reshape(*shape), lo=self.lo.reshape(*shape))
+
+
+def _check_words(hi: Any, lo: Any) -> None:
+    """Refuses float words (they would truncate silently) and hi/lo of different shapes.
+
+    JAX rebuilds pytrees with placeholders (None, tracers, float0 tangents), so
+    only words that carry a dtype or are Python numbers are checked; NumPy words
+    are range-checked too (free: they are on the host).
+    """
+    shapes = []
+    for name, word in (("hi", hi), ("lo", lo)):
+        if isinstance(word, float | complex | list):  # not tuples: tree.map(np.shape, ids)
+            word = np.asarray(word)
+        dtype = getattr(word, "dtype", None)
+        if dtype is None:
+            continue
+        if jnp.issubdtype(dtype, jnp.inexact) or jnp.issubdtype(dtype, jnp.bool_):
+            raise TypeError(
+                f"Ids64.{name} must hold integer words (uint32); got dtype={dtype}. Float words "
+                "would be truncated silently, giving distinct ids the same noise. Fix: build "
+                "the ids with unsplit.ids64(ids) from integer ids."
+            )
+        if isinstance(word, np.ndarray | np.generic) and np.size(word):
+            top = 2**31 - 1 if name == "hi" else 2**32 - 1
+            low, high = int(np.min(word)), int(np.max(word))
+            if low < 0 or high > top:
+                raise ValueError(
+                    f"Ids64.{name} words must lie in [0, {top}]; got min={low}, max={high} "
+                    f"(ids are at most 2**63 - 1). Fix: build the ids with unsplit.ids64(ids)."
+                )
+        shapes.append(tuple(np.shape(word)))
+    if len(shapes) == 2 and shapes[0] != shapes[1]:
+        raise ValueError(
+            f"Ids64.hi and Ids64.lo must have the same shape, one pair of words per id; got "
+            f"hi.shape={shapes[0]} and lo.shape={shapes[1]}. Fix: build the ids with "
+            "unsplit.ids64(ids)."
+        )
 
 
 def ids64(values: Any) -> Ids64:
@@ -273,9 +316,16 @@ def _check_nonnegative(arr: np.ndarray, what: str) -> None:
     lowest = int(arr.min())
     highest = int(arr.max())
     if lowest < 0:
+        hint = ""
+        if arr.dtype == np.int32:
+            hint = (
+                " Negative int32 ids are often int64 ids >= 2**31 that JAX truncated to int32 "
+                "(jnp.asarray, jax.device_put or a jit argument, with x64 off): check them."
+            )
         raise ValueError(
-            f"{what} must be non-negative global example ids; got min({what})={lowest}. "
-            f"Fix: use ids in [0, 2**63 - 1], e.g. the example's position in the global batch."
+            f"{what} must be non-negative global example ids; got min({what})={lowest}.{hint} "
+            f"Fix: use ids in [0, 2**63 - 1], e.g. the example's position in the global batch; "
+            f"pass 64-bit ids as unsplit.ids64(ids) (two uint32 words, exact through jit)."
         )
     if highest > _MAX_ID:
         raise ValueError(
