@@ -82,6 +82,39 @@ def async_fraction(fn, n=5) -> float:
     return issued / (time.perf_counter() - start)
 
 
+def measure(name, shape, specs, host, xs, quick) -> dict:
+    key = jax.random.key(0)
+    mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
+    x = jax.device_put(xs, NamedSharding(mesh, P("data")))
+    ours = unsplit.value_and_grad(loss_fn, mesh=mesh)
+    plain = plain_step()
+
+    def run_ours():
+        return ours(params, x, key)
+
+    def run_plain():
+        return plain(params, x, key)
+
+    compiled_ours = ours.lower(params, x, key).compile()
+    compiled_plain = plain.lower(params, x, key).compile()
+    timing = common.compare(
+        {"plain": run_plain, "unsplit": run_ours},
+        baseline="plain",
+        repeats=3 if quick else 15,
+        inner=1,
+    )
+    _, grads = run_ours()
+    return {
+        "layout": name,
+        "memory": (memory(compiled_ours), memory(compiled_plain)),
+        "flops": (flops(compiled_ours), flops(compiled_plain)),
+        "time": {r.name: r for r in timing}["unsplit"],
+        "async": (async_fraction(run_ours), async_fraction(run_plain)),
+        "grads_sharded_like_params": all(grads[k].sharding == params[k].sharding for k in params),
+    }
+
+
 def main() -> None:
     args = common.bench_parser(__doc__).parse_args()
     width = 1024 if args.quick else 2048
@@ -92,36 +125,10 @@ def main() -> None:
         "w2": rng.normal(0, 0.02, (width, width)).astype(np.float32),
     }
     xs = rng.normal(size=(batch, width)).astype(np.float32)
-    key = jax.random.key(0)
-    rows = []
-    for name, (shape, specs) in LAYOUTS.items():
-        mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
-        x = jax.device_put(xs, NamedSharding(mesh, P("data")))
-        ours = unsplit.value_and_grad(loss_fn, mesh=mesh)
-        plain = plain_step()
-        compiled_ours = ours.lower(params, x, key).compile()
-        compiled_plain = plain.lower(params, x, key).compile()
-        timing = common.compare(
-            {"plain": lambda: plain(params, x, key), "unsplit": lambda: ours(params, x, key)},
-            baseline="plain",
-            repeats=3 if args.quick else 15,
-            inner=1,
-        )
-        t = {r.name: r for r in timing}["unsplit"]
-        _, grads = ours(params, x, key)
-        same = all(grads[k].sharding == params[k].sharding for k in params)
-        rows.append(
-            {
-                "layout": name,
-                "memory": (memory(compiled_ours), memory(compiled_plain)),
-                "flops": (flops(compiled_ours), flops(compiled_plain)),
-                "time": t,
-                "async": (async_fraction(lambda: ours(params, x, key)),
-                          async_fraction(lambda: plain(params, x, key))),
-                "grads_sharded_like_params": same,
-            }
-        )  # fmt: skip
+    rows = [
+        measure(name, shape, specs, host, xs, args.quick)
+        for name, (shape, specs) in LAYOUTS.items()
+    ]
     table = Table(title=f"unsplit default step vs plain jit, same shardings (MLP {width}x{width})")
     for col in ("layout", "memory / device (unsplit / plain)", "FLOPs / device", "step time",
                 "calls return at (unsplit / plain)", "grads keep params' sharding"):  # fmt: skip
