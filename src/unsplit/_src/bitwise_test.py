@@ -148,10 +148,10 @@ def test_refuses_to_run_inside_jit():
         jax.jit(step)(PARAMS, BATCH, KEY)
 
 
-def test_zero_total_weight_in_bitwise_mode():
+def test_zero_total_weight_in_bitwise_mode_gives_nan():
     empty = dict(BATCH, mask=np.zeros_like(BATCH["mask"]))
-    with pytest.raises(ValueError, match=r"total weight of the global batch is 0"):
-        run(2, 1, batch=empty)
+    loss, grads = run(2, 1, batch=empty)
+    assert np.isnan(float(loss)) and all(np.isnan(g).all() for g in jax.tree.leaves(grads))
 
 
 def test_two_dimensional_mesh_is_bit_identical_and_replicated():

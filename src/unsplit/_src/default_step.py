@@ -22,18 +22,19 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import agreement, fingerprint, sums
 from unsplit._src import keys as keys_lib
-from unsplit._src import sums
 from unsplit._src.layout import Layout, move_onto, named_spec
 
 
 class DefaultStep:
     """Runs a step in default mode; one compiled program per params layout and input shapes."""
 
-    def __init__(self, spec: sums.LossSpec, layout: Layout, microbatches: int):
+    def __init__(self, spec: sums.LossSpec, layout: Layout, microbatches: int, settings=None):
         self.spec = spec
         self.layout = layout
         self.microbatches = microbatches
+        self.settings = settings or {}
         self._programs: dict[Any, Any] = {}
         self._warned: set[str] = set()
 
@@ -56,6 +57,9 @@ class DefaultStep:
             batch = move_onto(batch, layout, lambda x: P(layout.batch_entry), "batch", self._warned)
         structure, arrays = sums.Params.split(params)
         shardings = tuple(_concrete_sharding(a, layout) for a in arrays)
+        # Several processes tracing this step inside their own jit: compare on device.
+        check = layout.mesh is not None and agreement.needed() and _traced((arrays, batch, key))
+        shardings = (*shardings, check)
         try:
             program = self._programs.get((structure, shardings))
         except TypeError:
@@ -70,8 +74,11 @@ class DefaultStep:
             self._programs[(structure, shardings)] = program
         return structure, program, (arrays, batch, key, ids)
 
-    def _compile(self, structure: sums.Params, shardings: tuple):
-        run = self._program(structure, shardings)
+    def _compile(self, structure: sums.Params, signature: tuple):
+        *shardings, check = signature
+        run = self._program(structure, tuple(shardings))
+        if check:
+            run = self._agreeing(run, structure)
         layout = self.layout
         if layout.mesh is None or any(s is None for s in shardings):
             return jax.jit(run)
@@ -81,6 +88,33 @@ class DefaultStep:
         grads = [NamedSharding(mesh, s) for s in diff]
         out = (NamedSharding(mesh, P()), grads, NamedSharding(mesh, P(layout.batch_entry)))
         return jax.jit(run, out_shardings=out)
+
+    def _agreeing(self, run, structure: sums.Params):
+        """``run`` guarded by an on-device comparison of key, params and settings across devices.
+
+        Inside a caller's jit, a host exchange is not safe. Each device
+        fingerprints its copies of the key, the params and the traced program's
+        settings; one small all_gather compares them. On a mismatch the outputs
+        are nan and the step raises when its results are read, on every process.
+        """
+        mesh = self.layout.mesh
+        sig = agreement.signature({**self.settings, "params": str(structure.treedef)})
+
+        def guarded(arrays, batch, key, ids):
+            out = run(arrays, batch, key, ids)
+            ok = fingerprint.replicas_agree(
+                (key, jnp.asarray(sig), structure.diff_of(arrays)), mesh
+            )
+            fingerprint.raise_unless(
+                ok,
+                "the processes disagree on the step key, the params or the step's settings "
+                "(compared on device inside jit). Fix: derive the key from a shared seed and "
+                "step number, initialize the params identically (or broadcast process 0's), "
+                "and build the step with the same options on every process.",
+            )
+            return fingerprint.poison_unless(ok, out)
+
+        return guarded
 
     def _program(self, structure: sums.Params, shardings: tuple):
         layout, spec, k = self.layout, self.spec, self.microbatches
@@ -158,6 +192,10 @@ class DefaultStep:
 def _place(x: jax.Array, layout: Layout) -> jax.Array:
     # device_put (not reshard) inside jit carries the concrete devices into the program.
     return jax.device_put(x, NamedSharding(layout.mesh, P(layout.batch_entry)))
+
+
+def _traced(tree: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _type_spec(x: Any) -> P | None:

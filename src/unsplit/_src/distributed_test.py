@@ -16,7 +16,7 @@ KEY_SEED = 5
 # ---- worker functions: run inside each of the launched processes -------------------
 
 
-def worker_step(microbatches: int, bitwise: bool, skew_key: bool = False):
+def worker_step(microbatches: int, bitwise: bool, skew_key: bool = False, in_jit: bool = False):
     """One step over the 4 global devices; returns loss and grads as exact hex."""
     _, params, batch = testing.problem()
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -28,7 +28,8 @@ def worker_step(microbatches: int, bitwise: bool, skew_key: bool = False):
         bitwise=bitwise,
     )  # fmt: skip
     key = jax.random.key(KEY_SEED + (jax.process_index() if skew_key else 0))
-    loss, grads = step(testing.replicated(params, mesh), global_rows, key, ids=ids)
+    run = jax.jit(step) if in_jit else step
+    loss, grads = run(testing.replicated(params, mesh), global_rows, key, ids=ids)
     host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), (loss, grads))
     return {"hex": testing.to_hex(host), "ids": np.asarray(ids.addressable_data(0)).tolist()}
 
@@ -101,6 +102,16 @@ def test_processes_that_disagree_on_the_key_get_a_clear_error():
         launch.run_local_processes(
             "unsplit._src.distributed_test:worker_step",
             kwargs={"microbatches": 1, "bitwise": False, "skew_key": True},
+            timeout_s=TIMEOUT,
+        )
+
+
+def test_processes_that_disagree_inside_their_own_jit_get_an_error_too():
+    # The key is traced there: the step compares key, params and settings on device.
+    with pytest.raises(launch.LaunchError, match=r"disagree on the step key, the params or"):
+        launch.run_local_processes(
+            "unsplit._src.distributed_test:worker_step",
+            kwargs={"microbatches": 2, "bitwise": False, "skew_key": True, "in_jit": True},
             timeout_s=TIMEOUT,
         )
 

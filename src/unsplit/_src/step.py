@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from unsplit._src import distributed, sums, validate
+from unsplit._src import agreement, sums, validate
 from unsplit._src import keys as keys_lib
 from unsplit._src.default_step import DefaultStep
 from unsplit._src.layout import Layout
@@ -130,6 +130,7 @@ class Step:
         self.layout = Layout.make(mesh, batch_axes)
         self.bitwise = validate.check_flag("bitwise", bitwise)
         self.chunk_size = chunk_size
+        self._agreed = False  # several processes: agreed on the first call
         if self.bitwise:
             from unsplit._src import bitwise as bitwise_lib
 
@@ -140,7 +141,7 @@ class Step:
                     f"chunk_size={chunk_size} only applies with bitwise=True; got bitwise=False. "
                     "Fix: drop chunk_size, or pass bitwise=True."
                 )
-            self._impl = DefaultStep(self.spec, self.layout, self.microbatches)
+            self._impl = DefaultStep(self.spec, self.layout, self.microbatches, self.settings())
 
     @property
     def loss_fn(self) -> LossFn:
@@ -176,12 +177,40 @@ class Step:
             f"bitwise={self.bitwise})"
         )
 
-    def _checked(self, batch: Any, key: jax.Array, ids: Any) -> Any:
+    def settings(self) -> dict[str, Any]:
+        """What fixes the computation, besides the inputs (agreed between processes)."""
+        return {
+            "mode": "bitwise" if self.bitwise else "default",
+            "chunk_size": self.chunk_size,
+            "microbatches": self.microbatches,
+            "weighted": self.weighted,
+            "has_aux": self.has_aux,
+            "batch_axes": self.batch_axes,
+            "mesh": self.mesh,
+        }
+
+    def _checked(self, params: Any, batch: Any, key: jax.Array, ids: Any) -> Any:
+        """Validates the inputs; on a multi-process first call, also agrees on them.
+
+        Every process runs its own checks first; then one small collective
+        compares settings, params, key and batch, so a mistake on one process
+        (or processes that disagree) raises on all of them before any work. Inside
+        the caller's jit the comparison happens on device instead (see
+        :mod:`unsplit._src.default_step`).
+        """
+        if self._agreed or not agreement.needed() or _traced((params, batch, key, ids)):
+            return self._validated(batch, key, ids)
+        what = f"the first call of {self!r}"
+        with agreement.agreeing(what, fixes=agreement.STEP_FIXES) as items:
+            ids = self._validated(batch, key, ids)
+            items.update(agreement.step_items(self.settings(), params, batch, key, ids))
+        self._agreed = True
+        return ids
+
+    def _validated(self, batch: Any, key: jax.Array, ids: Any) -> Any:
         batch_size = validate.batch_size(batch)
         validate.check_schedule(batch_size, self.num_devices, self.microbatches, self.batch_axes)
         keys_lib.check_key(key)
-        if jax.process_count() > 1 and not isinstance(key, jax.core.Tracer):
-            distributed.check_same_key(key)
         return validate.ids_words(ids, batch_size)
 
     def lower(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
@@ -196,10 +225,10 @@ class Step:
                 "fixed-order reduction); lower() describes default mode's single program. "
                 "Fix: call lower() on a bitwise=False step to inspect its program."
             )
-        return self._impl.lower(params, batch, key, self._checked(batch, key, ids))
+        return self._impl.lower(params, batch, key, self._checked(params, batch, key, ids))
 
     def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
-        ids = self._checked(batch, key, ids)
+        ids = self._checked(params, batch, key, ids)
         try:
             loss, grads, aux = self._impl(params, batch, key, ids)
         except jax.errors.JaxRuntimeError as e:
@@ -207,6 +236,10 @@ class Step:
         if self.has_aux:
             return (loss, aux), grads
         return loss, grads
+
+
+def _traced(tree: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _with_memory_hint(error: Exception, step: Step) -> Exception:
