@@ -260,7 +260,9 @@ class Walker:
         def body(carry_infos, silent):
             carry_nodes = [
                 Node(n.aval, info | {marker, _carry_marker(marker, i)})
-                for i, (n, info) in enumerate(zip(ins[n_consts:], carry_infos, strict=True))
+                for i, (n, info) in enumerate(
+                    zip(ins[n_consts : n_consts + n_carry], carry_infos, strict=True)
+                )
             ]
             inner = ctx.enter(eqn, loops=(*ctx.loops, loop), top=False, silent=ctx.silent or silent)
             outs = self.walk(jaxpr, const_nodes, [*body_consts, *carry_nodes, *xs], inner)

@@ -35,7 +35,6 @@ import jax
 
 from unsplit._src import audit_trace
 from unsplit._src.audit_finding import (
-    KINDS,
     PER_EXAMPLE_KINDS,
     UNKNOWN,
     Finding,
@@ -87,6 +86,10 @@ def audit_loss(
         The findings (``audit_error`` if the audit itself failed); ``[]``
         when the loss itself does not trace.
 
+    Raises:
+        TypeError, ValueError: ``kinds`` names something other than the
+            per-example kinds (a mistake of the caller, not of the loss).
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from unsplit._src.audit_loss import audit_loss
@@ -98,6 +101,7 @@ def audit_loss(
         ['foreign_key']
     """
     del weighted  # every output of the loss counts as used, weighted or not
+    _check_kinds(kinds)
     try:
         return check_loss(loss_fn, params, example, key, kinds=kinds)
     except LossTraceError:
@@ -129,7 +133,7 @@ def check_loss(
     if "device_key" in kinds:
         found += device_key_findings(draws)
     if "cross_example" in kinds:
-        found += [_cross_example(c.eqn, c.site) for c in walked.rules.collectives]
+        found += cross_example_findings(walked.rules.collectives, draws)
     if "dropped_state" in kinds:
         found += dropped_state_findings(walked)
     if "padding_unstable" in kinds:
@@ -142,6 +146,23 @@ def check_loss(
             if isinstance(other, _Walked):
                 found += padding_findings(walked.program, other.program)
     return dedupe(found)
+
+
+def _check_kinds(kinds: Iterable[str] | None) -> frozenset[str]:
+    if kinds is None:
+        return PER_EXAMPLE_KINDS
+    if isinstance(kinds, str):
+        raise TypeError(
+            f"kinds must be a collection of kinds; got the string {kinds!r}. Fix: kinds={{{kinds!r}}}."
+        )
+    kinds = frozenset(kinds)
+    unknown = sorted(kinds - PER_EXAMPLE_KINDS)
+    if unknown:
+        raise ValueError(
+            f"kinds={sorted(kinds)} names {unknown}, which are not per-example checks; expected "
+            f"some of {sorted(PER_EXAMPLE_KINDS)}. Fix: drop them (batched kinds are audit_step's)."
+        )
+    return kinds
 
 
 def _trace_and_walk(loss_fn, params, example, key, record_state: bool) -> _Walked | Finding:
@@ -267,6 +288,16 @@ def device_key_findings(draws: Sequence[Draw]) -> list[Finding]:
         )
         out.append(finding("device_key", message, origin.site or group[0].site))
     return out
+
+
+def cross_example_findings(collectives: Sequence[Any], draws: Sequence[Draw]) -> list[Finding]:
+    """Collectives in the loss; an ``axis_index`` that only makes a key is a ``device_key``."""
+    key_axes = {o.site for d in draws for o in d.key_info if o.kind == "device"}
+    return [
+        _cross_example(c.eqn, c.site)
+        for c in collectives
+        if not (c.eqn.primitive.name == "axis_index" and c.site in key_axes)
+    ]
 
 
 def _cross_example(eqn: Any, site: Site) -> Finding:
