@@ -114,12 +114,7 @@ def check_loss(
     loss_fn: Callable, params: Any, example: Any, key: Any, *, kinds: Iterable[str] | None = None
 ) -> list[Finding]:
     """Like :func:`audit_loss`, but raises :class:`LossTraceError` when the loss does not trace."""
-    kinds = PER_EXAMPLE_KINDS if kinds is None else frozenset(kinds)
-    unknown = kinds - set(KINDS)
-    if unknown:
-        raise ValueError(
-            f"unknown finding kinds {sorted(unknown)}; expected some of {sorted(KINDS)}."
-        )
+    kinds = _check_kinds(kinds)
     key = audit_trace.abstract(key)
     walked = _trace_and_walk(loss_fn, params, example, key, "dropped_state" in kinds)
     if isinstance(walked, Finding):  # Flax refused a captured module's update
