@@ -29,14 +29,14 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from unsplit._src.audit_finding import Finding, Site, finding
 from unsplit._src.audit_graph import COLLECTIVES, DRAWS, FlatEqn, Node, Walker
 from unsplit._src.audit_keys import THREEFRY_DTYPE, Draw
 
-MAX_ELEMENTS = 1 << 22
+MAX_ELEMENTS = 1 << 20
+KEYS = 16  # keys the noise is evaluated with
 _NOT_EVALUABLE = COLLECTIVES | {"random_seed"}
 
 
@@ -56,8 +56,8 @@ class Program(NamedTuple):
 def padding_findings(long: Program, short: Program) -> list[Finding]:
     """``padding_unstable`` findings from the loss traced at two padded lengths."""
     found: list[Finding] = []
-    key = _dummy_key(long.key.aval)
-    if key is None:
+    keys = _dummy_keys(long.key.aval)
+    if keys is None:
         return found
     a, b = frontier(long), frontier(short)
     if len(a) != len(b) or any(x.aval.ndim != y.aval.ndim for x, y in zip(a, b, strict=True)):
@@ -78,7 +78,7 @@ def padding_findings(long: Program, short: Program) -> list[Finding]:
             stacklevel=3,
         )
     pairs = [(x, y) for x, y in pairs if math.prod(x.aval.shape) <= MAX_ELEMENTS]
-    values = _evaluate_pairs(long, short, pairs, key)
+    values = _evaluate_pairs(long, short, pairs, keys)
     for (x, y), (a, b) in zip(pairs, values, strict=True):
         if a is not None and b is not None and not _equal_prefix(a, b):
             found.append(_unstable(_draw_site(x), x.aval.shape, y.aval.shape))
@@ -87,9 +87,15 @@ def padding_findings(long: Program, short: Program) -> list[Finding]:
 
 
 def frontier(program: Program) -> list[Node]:
-    """The noise values (from the key and constants only) that the rest of the loss reads."""
+    """The noise values (from the key and constants only) that the rest of the loss reads.
+
+    Noise from rbg/unsafe_rbg keys is left out: those are reported as
+    ``unsafe_key``, and their bits under the evaluation's ``vmap`` over keys
+    are not their bits one key at a time.
+    """
     known = {id(program.key)}
     keyed = {id(program.key)}
+    unsafe: set[int] = set()
     readers: dict[int, bool] = {}  # node id -> read by a non-noise equation
     noise: list[Node] = [program.key]
     for flat in program.walker.flat:
@@ -101,22 +107,36 @@ def frontier(program: Program) -> list[Node]:
             if any(id(n) in keyed for n in flat.ins):
                 keyed |= {id(n) for n in flat.outs}
                 noise += flat.outs
+        if any(id(n) in unsafe or _unsafe_key(n) for n in (*flat.ins, *flat.outs)):
+            unsafe |= {id(n) for n in flat.outs}
         for n in flat.ins:
             if id(n) in keyed:
                 readers[id(n)] = readers.get(id(n), False) or not ok
     for n in program.outputs:
         if id(n) in keyed:
             readers[id(n)] = True
-    return [n for n in noise if readers.get(id(n))]
+    return [n for n in noise if readers.get(id(n)) and id(n) not in unsafe]
 
 
-def _evaluate_pairs(long: Program, short: Program, pairs, key: Any) -> list[tuple[Any, Any]]:
-    """The values of each pair's two noise nodes, in ONE jitted program (one compilation)."""
+def _unsafe_key(node: Node) -> bool:
+    dtype = str(getattr(node.aval, "dtype", ""))
+    return dtype.startswith("key<") and dtype != THREEFRY_DTYPE
+
+
+def _evaluate_pairs(long: Program, short: Program, pairs, keys: Any) -> list[tuple[Any, Any]]:
+    """Each pair's two noise values for :data:`KEYS` keys, in ONE compiled program.
+
+    A thresholded mask (``bernoulli(key, 0.9, ...)``) of a few elements can
+    agree by chance for one key; it does not for 16.
+    """
+
+    def one(key):
+        a = evaluate(long, [x for x, _ in pairs], key)
+        b = evaluate(short, [y for _, y in pairs], key)
+        return [(a.get(id(x)), b.get(id(y))) for x, y in pairs]
 
     def run():
-        a = evaluate(long, [x for x, _ in pairs], key())
-        b = evaluate(short, [y for _, y in pairs], key())
-        return [(a.get(id(x)), b.get(id(y))) for x, y in pairs]
+        return jax.vmap(one)(keys())
 
     # Compiled ahead of time and called without arguments, so it runs (and returns concrete
     # values) even when the audit itself runs inside the trace of a step.
@@ -185,13 +205,13 @@ def _constant(node: Node) -> bool:
     return node.value is not None and not isinstance(node.value, jax.core.Tracer)
 
 
-def _dummy_key(aval: Any) -> Any:
-    """A function making a fixed key of ``aval``'s type (inside the evaluation's jit)."""
+def _dummy_keys(aval: Any) -> Any:
+    """A function making :data:`KEYS` fixed keys of ``aval``'s type (inside the evaluation)."""
     dtype = str(getattr(aval, "dtype", ""))
     if dtype == THREEFRY_DTYPE and aval.shape == ():
-        return lambda: jax.random.key(0)
+        return lambda: jax.random.split(jax.random.key(0), KEYS)
     if dtype == "uint32" and tuple(aval.shape) == (2,):
-        return lambda: jnp.array([0, 42], jnp.uint32)
+        return lambda: jax.random.key_data(jax.random.split(jax.random.key(0), KEYS))
     return None
 
 
@@ -200,6 +220,7 @@ def _prefix_of(short: Sequence[int], long: Sequence[int]) -> bool:
 
 
 def _equal_prefix(long: Any, short: Any) -> bool:
+    """Equal bits on the short value's extent (axis 0 runs over the keys)."""
     a, b = _bits(long), _bits(short)
     return bool(np.array_equal(a[tuple(slice(0, n) for n in b.shape)], b))
 

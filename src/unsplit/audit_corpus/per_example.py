@@ -31,9 +31,8 @@ def key_inside_loss():
     """``jax.random.key(0)`` inside the loss: the same noise for every example and step."""
 
     def loss_fn(w, example, key):
-        keep = jax.random.bernoulli(
-            jax.random.key(0), 0.9, example["x"].shape
-        )  # expect: key_inside_loss
+        fixed = jax.random.key(0)
+        keep = jax.random.bernoulli(fixed, 0.9, example["x"].shape)  # expect: key_inside_loss
         return jnp.sum((jnp.where(keep, example["x"], 0.0) @ w) * example["mask"])
 
     return loss_fn, (_data.weights(), _data.sequences(), _data.key()), {}
