@@ -1,6 +1,7 @@
 """``unsplit audit MODULE:FACTORY``: output, --strict, --json, and factory errors."""
 
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -38,7 +39,7 @@ def test_default_output_is_one_panel_per_finding_with_the_source_line(capsys):
     assert code == 0
     assert out.count("╭─ batch_draw") == 1
     assert "fix:" in out and "unsplit.value_and_grad" in out
-    lines = open(batched.__file__).read().splitlines()
+    lines = pathlib.Path(batched.__file__).read_text().splitlines()
     line = next(i + 1 for i, t in enumerate(lines) if t.endswith("# expect: same_key_microbatches"))
     assert f"audit_corpus/batched.py:{line}" in out
     assert "jax.random.bernoulli(sub, 0.9" in out  # the source line itself
