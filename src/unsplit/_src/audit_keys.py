@@ -76,9 +76,7 @@ class KeyRules(Rules):
     def transfer(self, eqn: Any, ins: Sequence[Node], outs: Sequence[Node], ctx: Ctx) -> None:
         name = eqn.primitive.name
         if name == "random_seed":
-            origin = Origin(
-                "seed", "a key made inside the function (jax.random.key)", ctx.site_of(eqn)
-            )
+            origin = Origin("seed", "jax.random.key (or PRNGKey)", ctx.site_of(eqn))
             _add(outs, origin)
         elif name == "axis_index":
             axis = eqn.params.get("axis_name")

@@ -243,7 +243,8 @@ def _foreign_cause(root: Info) -> str:
     by_kind = {o.kind: o for o in sorted(root, key=lambda o: o.label)}
     keyed_param = [o for o in root if o.kind == "param" and o.label != "params"]
     if "seed" in by_kind:
-        cause = f"this draw's key is made inside the loss ({by_kind['seed'].label} at {by_kind['seed'].site})"
+        seed = by_kind["seed"]
+        cause = f"this draw's key is made inside the loss by {seed.label} (at {seed.site})"
     elif keyed_param:
         cause = (
             f"this draw's key is read from {keyed_param[0].label} (a stream held by the module, "
@@ -263,7 +264,7 @@ def _foreign_cause(root: Info) -> str:
     return (
         f"{cause}: every example gets noise from the same key whatever its id, so the noise "
         "is tied across examples (and repeats at every step) instead of being a function of "
-        "the example's global id."
+        "the example's global id"
     )
 
 
