@@ -58,7 +58,8 @@ class BatchedRules(KeyRules):
         # Only a divisor that is itself a batch statistic (not merely influenced by one).
         if divisor is not None and _data_only(divisor.info):
             for stat in (o for o in divisor.info if o.kind == "batch_stat"):
-                mean = Origin("batch_mean", "a per-batch mean", ctx.site_of(eqn), tag=stat.tag)
+                label = f"a batch statistic computed at {stat.site}"
+                mean = Origin("batch_mean", label, ctx.site_of(eqn), tag=stat.tag)
                 for node in outs:
                     node.info = node.info | {mean}
 
@@ -87,16 +88,12 @@ def _divisor(name: str, eqn: Any, ins: Sequence[Node]) -> Node | None:
 def _mean_of_means(mean: Origin, accumulator: str) -> Finding:
     return finding(
         "mean_of_means",
-        f"this divides by a statistic of the microbatch (e.g. its token count, a batch "
-        f"statistic computed at {_first_site(mean)}) and {accumulator} accumulates the "
+        f"this divides by a statistic of the microbatch (such as its token count: "
+        f"{mean.label}) and {accumulator} accumulates the "
         "quotient across microbatches: a mean of microbatch means, which weights the tokens "
         "of small microbatches more and changes with how the batch is cut.",
         mean.site,
     )
-
-
-def _first_site(mean: Origin) -> str:
-    return str(mean.site) if mean.site is not None else "<unknown>"
 
 
 def check_step(

@@ -51,6 +51,42 @@ class LossTraceError(Exception):
     """The user's loss failed to trace (its own error is the ``__cause__``)."""
 
 
+class AuditError(ValueError):
+    """Raised at trace time for findings that make a step depend on its schedule."""
+
+
+def raise_for(
+    findings: Sequence[Finding],
+    kinds: Iterable[str] = ("foreign_key", "dropped_state"),
+    caller: str = "unsplit.value_and_grad",
+) -> None:
+    """Raises :class:`AuditError` naming every finding of ``kinds``; returns if there is none.
+
+    Example:
+        >>> from unsplit._src.audit_finding import Finding
+        >>> from unsplit._src.audit_loss import raise_for
+        >>> raise_for([Finding("padding_unstable", "m", "f", "a.py", 1)])  # not an error kind
+        >>> raise_for([Finding("foreign_key", "a closure key", "use key", "a.py", 3)])
+        Traceback (most recent call last):
+        ...
+        unsplit._src.audit_loss.AuditError: unsplit.value_and_grad: loss_fn's result would depend on the schedule:
+          a.py:3: foreign_key: a closure key
+            fix: use key
+        Fix: change the lines above (unsplit.audit(loss_fn, params, batch, key) reports them too).
+    """
+    kinds = frozenset(kinds)
+    errors = [f for f in findings if f.kind in kinds]
+    if not errors:
+        return
+    lines = [f"  {f}\n    fix: {f.fix}" for f in errors]
+    raise AuditError(
+        f"{caller}: loss_fn's result would depend on the schedule:\n"
+        + "\n".join(lines)
+        + "\nFix: change the lines above (unsplit.audit(loss_fn, params, batch, key) reports "
+        "them too)."
+    )
+
+
 @dataclasses.dataclass
 class _Walked:
     program: Program

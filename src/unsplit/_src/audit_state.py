@@ -33,9 +33,10 @@ from unsplit._src.audit_finding import Finding, finding, python_site
 
 
 class Update(NamedTuple):
-    """One recorded state update: a readable name, its kind and the new value (a tracer)."""
+    """One recorded state update: whose, which variable, its kind and the new value (a tracer)."""
 
-    label: str
+    owner: str  # "BatchNorm at 'BatchNorm_0'", "BatchStat at params.norm.mean"
+    name: str  # "batch_stats/mean"; "" for an NNX Variable (the owner names it)
     kind: str  # "linen" or "nnx"
     collection: str
     value: Any
@@ -69,8 +70,10 @@ class Recorder:
                     continue
                 self._seen.add(id(value))
                 where = "/".join(module.path) or type(module).__name__
-                label = f"{type(module).__name__} at {where!r}: {collection}/{name}"
-                self.updates.append(Update(label, "linen", collection, value))
+                owner = f"{type(module).__name__} at {where!r}"
+                self.updates.append(
+                    Update(owner, f"{collection}/{name}", "linen", collection, value)
+                )
         return out
 
     def nnx_snapshot(self, tree: Any) -> list[tuple[str, Any, Any]]:
@@ -93,8 +96,8 @@ class Recorder:
             new = variable.get_value()
             if new is not old and id(new) not in self._seen:
                 self._seen.add(id(new))
-                label = f"{type(variable).__name__} at params{path}"
-                self.updates.append(Update(label, "nnx", type(variable).__name__, new))
+                owner = f"{type(variable).__name__} at params{path}"
+                self.updates.append(Update(owner, "", "nnx", type(variable).__name__, new))
 
 
 def _linen_state(module: Any) -> dict[tuple[str, str], Any]:
@@ -113,7 +116,13 @@ def _linen_state(module: Any) -> dict[tuple[str, str], Any]:
 
 def dropped_message(updates: list[Update]) -> str:
     """The message of a ``dropped_state`` finding for the updates made at one line."""
-    names = ", ".join(u.label for u in updates)
+    owners: dict[str, list[str]] = {}
+    for u in updates:
+        owners.setdefault(u.owner, []).append(u.name)
+    names = "; ".join(
+        owner + (f" ({', '.join(n for n in ns if n)})" if any(ns) else "")
+        for owner, ns in owners.items()
+    )
     first = updates[0]
     if first.kind == "linen":
         how = (
