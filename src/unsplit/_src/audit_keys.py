@@ -127,14 +127,12 @@ class KeyRules(Rules):
         if name == "shard_map":
             specs = eqn.params.get("in_specs", ())
             split = [any(a is not None for a in spec) for spec in specs]
-            how = "shard_map"
         else:
             split = [a is not None for a in eqn.params.get("in_axes", ())]
-            how = "pmap"
         out = []
         for node, is_split in zip(ins, split + [False] * (len(ins) - len(split)), strict=True):
             if is_split and _keylike(node.aval):
-                label = f"a key array that {how} splits over devices (one key per device)"
+                label = "a key array split over devices by shard_map or pmap (one key per device)"
                 out.append(frozenset({Origin("device", label, site, tag=("map", id(eqn)))}))
             else:
                 out.append(frozenset())
