@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+import unsplit
 from unsplit._src import cli
 from unsplit.audit_corpus import batched, per_example
 
@@ -128,6 +129,19 @@ def test_factory_results_are_checked(capsys, monkeypatch):
         monkeypatch.setattr(batched, name, locals()[name], raising=False)
         code, _, err = _run(capsys, ["audit", f"unsplit.audit_corpus.batched:{name}"])
         assert code == 2 and message in err, (name, err)
+
+
+def test_an_unsplit_step_is_audited_as_it_calls_its_loss(capsys, monkeypatch):
+    def bitwise_step():  # a bitwise step cannot be traced; its per-example loss can
+        loss_fn, args, _ = per_example.closure_key()
+        return unsplit.value_and_grad(loss_fn, bitwise=True, chunk_size=4), args
+
+    monkeypatch.setattr(batched, "bitwise_step", bitwise_step, raising=False)
+    code, out, _ = _run(capsys, ["audit", "unsplit.audit_corpus.batched:bitwise_step", "--json"])
+    assert code == 0
+    assert [(f["kind"], f["file"]) for f in json.loads(out)] == [
+        ("foreign_key", per_example.__file__)
+    ]
 
 
 def test_python_m_unsplit_audit_entry_point():

@@ -4,8 +4,9 @@ The factory is a function of no arguments. What it returns decides the check:
 
 * ``(fn, args)``: an ordinary batched step, ``unsplit.audit_step(fn, *args)``;
   when ``fn`` is an ``unsplit`` step (``unsplit.value_and_grad(...)``), its
-  per-example loss is audited too, as the step calls it
-  (``unsplit.audit(fn.loss_fn, params, batch, key, weighted=fn.weighted)``);
+  per-example loss is audited instead, as the step calls it
+  (``unsplit.audit(fn.loss_fn, params, batch, key, weighted=fn.weighted)``):
+  the rest of the step is unsplit's own (and a bitwise step cannot be traced);
 * ``(loss_fn, args, options)`` with ``options`` a dict: a per-example loss,
   ``unsplit.audit(loss_fn, *args, **options)`` (``options`` such as
   ``{"weighted": True}``; ``{}`` for none).
@@ -98,14 +99,12 @@ def audit_factory(factory: Callable[[], Any], name: str = "the factory") -> list
     try:
         if options is not None:
             return audit(fn, *args, **options)
-        findings = []
         if isinstance(fn, Step) and hasattr(fn, "loss_fn"):
             per_example = {"weighted": getattr(fn, "weighted", False)}
             if getattr(fn, "has_aux", False):
                 per_example["has_aux"] = True
-            findings += audit(fn.loss_fn, *args[:3], **per_example)
-        findings += audit_step(fn, *args)
-        return _unique(findings)
+            return audit(fn.loss_fn, *args[:3], **per_example)
+        return audit_step(fn, *args)
     except TypeError as e:
         if "unexpected keyword argument" in str(e) and options:
             raise FactoryError(
@@ -142,10 +141,6 @@ def _unpack(result: Any, name: str) -> tuple[Callable, Sequence[Any], dict | Non
             'of unsplit.audit options, e.g. {"weighted": True}. Fix: return (loss_fn, args, {}).'
         )
     return fn, tuple(args), options
-
-
-def _unique(findings: list[Finding]) -> list[Finding]:
-    return list(dict.fromkeys(findings))
 
 
 def to_json(findings: Sequence[Finding]) -> str:

@@ -135,8 +135,8 @@ source line. FACTORY is a function of no arguments in MODULE (a module name
 importable from here, or a path/to/file.py) that returns either
 
   (fn, args)                    an ordinary batched step: unsplit.audit_step(fn, *args)
-                                (an unsplit.value_and_grad step: its per-example
-                                loss is audited too)
+                                (for an unsplit.value_and_grad step: its per-example
+                                loss, as the step calls it)
   (loss_fn, args, options)      a per-example loss: unsplit.audit(loss_fn, *args,
                                 **options), e.g. options = {"weighted": True}
 
