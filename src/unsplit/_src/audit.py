@@ -18,9 +18,9 @@ import numpy as np
 from unsplit._src import audit_trace
 from unsplit._src import keys as keys_lib
 from unsplit._src.audit_batched import check_step
-from unsplit._src.audit_finding import UNKNOWN, Finding, finding
+from unsplit._src.audit_finding import UNKNOWN, Finding, dedupe, finding
 from unsplit._src.audit_keys import THREEFRY_DTYPE
-from unsplit._src.audit_loss import LossTraceError, check_loss, dedupe
+from unsplit._src.audit_loss import LossTraceError, check_loss
 from unsplit._src.audit_state import captured_module_finding
 
 

@@ -28,10 +28,10 @@ from typing import Any
 import jax
 
 from unsplit._src import audit_trace
-from unsplit._src.audit_finding import Finding, finding
+from unsplit._src.audit_finding import Finding, dedupe, finding
 from unsplit._src.audit_graph import Ctx, Info, Loop, Node, Origin, Walker, roots
 from unsplit._src.audit_keys import Draw, KeyRules
-from unsplit._src.audit_loss import dedupe, device_key_findings, unsafe_key_findings
+from unsplit._src.audit_loss import device_key_findings, unsafe_key_findings
 from unsplit._src.audit_padding import AuditWarning
 
 _REDUCTIONS = frozenset(

@@ -100,7 +100,7 @@ def test_a_file_path_factory(tmp_path, capsys):
 def test_factory_errors_exit_2_with_the_fix(capsys, target, message):
     code, out, err = _run(capsys, ["audit", target])
     assert code == 2 and out == ""
-    assert message in err and err.startswith("unsplit audit: ")
+    assert message in err and err.startswith("unsplit audit: ") and "Fix:" in err
 
 
 def test_factory_results_are_checked(capsys, monkeypatch):
@@ -119,8 +119,17 @@ def test_factory_results_are_checked(capsys, monkeypatch):
         loss_fn, args, _ = per_example.closure_key()
         return loss_fn, args, {"weigted": True}
 
+    def does_not_trace():
+        step, args = batched.batch_level_dropout()
+        return step, args[:2]  # the key is missing
+
+    def not_callable():
+        return 42, ()
+
     cases = {
         "raises": "raised RuntimeError: no data today",
+        "does_not_trace": "does_not_trace() returned failed: TypeError",
+        "not_callable": "returned fn=42, which is not callable",
         "args_not_a_tuple": "expected a tuple of fn's positional inputs",
         "options_not_a_dict": "expected a dict of unsplit.audit options",
         "wrong_option": "accepts weighted and has_aux",
@@ -128,7 +137,14 @@ def test_factory_results_are_checked(capsys, monkeypatch):
     for name, message in cases.items():
         monkeypatch.setattr(batched, name, locals()[name], raising=False)
         code, _, err = _run(capsys, ["audit", f"unsplit.audit_corpus.batched:{name}"])
-        assert code == 2 and message in err, (name, err)
+        assert code == 2 and message in err and "Fix:" in err, (name, err)
+
+
+def test_a_module_that_fails_to_import(tmp_path, capsys):
+    path = tmp_path / "broken.py"
+    path.write_text("raise ImportError('missing dependency')\n")
+    code, _, err = _run(capsys, ["audit", f"{path}:make"])
+    assert code == 2 and "raised ImportError: missing dependency" in err and "Fix:" in err
 
 
 def test_an_unsplit_step_is_audited_as_it_calls_its_loss(capsys, monkeypatch):

@@ -16,7 +16,7 @@ import functools
 import importlib.util
 import os
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 
@@ -141,6 +141,61 @@ class Finding:
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
         return dataclasses.asdict(self)
+
+
+class AuditError(ValueError):
+    """Raised at trace time for findings that make a step depend on its schedule."""
+
+
+def raise_for(
+    findings: Sequence[Finding],
+    kinds: Iterable[str] = ("foreign_key", "dropped_state"),
+    caller: str = "unsplit.value_and_grad",
+) -> None:
+    """Raises :class:`AuditError` naming every finding of ``kinds``; returns if there is none.
+
+    Example:
+        >>> from unsplit._src.audit_finding import Finding
+        >>> from unsplit._src.audit_finding import raise_for
+        >>> raise_for([Finding("padding_unstable", "m", "f", "a.py", 1)])  # not an error kind
+        >>> raise_for([Finding("foreign_key", "a closure key", "use key", "a.py", 3)])
+        Traceback (most recent call last):
+        ...
+        unsplit._src.audit_finding.AuditError: unsplit.value_and_grad: loss_fn's result would depend on the schedule:
+          a.py:3: foreign_key: a closure key
+            fix: use key
+        Fix: change the lines above (unsplit.audit(loss_fn, params, batch, key) reports them too).
+    """
+    kinds = frozenset(kinds)
+    errors = [f for f in findings if f.kind in kinds]
+    if not errors:
+        return
+    lines = [f"  {f}\n    fix: {f.fix}" for f in errors]
+    raise AuditError(
+        f"{caller}: loss_fn's result would depend on the schedule:\n"
+        + "\n".join(lines)
+        + "\nFix: change the lines above (unsplit.audit(loss_fn, params, batch, key) reports "
+        "them too)."
+    )
+
+
+def audit_error(error: BaseException) -> Finding:
+    return finding(
+        "audit_error",
+        f"the audit failed ({type(error).__name__}: {error}); some checks did not run.",
+        UNKNOWN,
+    )
+
+
+def dedupe(findings: Iterable[Finding]) -> list[Finding]:
+    """The findings without repeats of the same kind at the same line, in order."""
+    seen: set[tuple] = set()
+    out = []
+    for f in findings:
+        if (f.kind, f.file, f.line) not in seen:
+            seen.add((f.kind, f.file, f.line))
+            out.append(f)
+    return out
 
 
 class Site(NamedTuple):

@@ -34,57 +34,27 @@ from typing import Any
 import jax
 
 from unsplit._src import audit_trace
-from unsplit._src.audit_finding import (
+from unsplit._src.audit_finding import (  # AuditError, raise_for: re-exported for the step
     PER_EXAMPLE_KINDS,
     UNKNOWN,
+    AuditError,
     Finding,
     Site,
+    audit_error,
+    dedupe,
     finding,
+    raise_for,
 )
 from unsplit._src.audit_graph import Info, Node, Origin, Walker, roots
 from unsplit._src.audit_keys import THREEFRY_DTYPE, Draw, KeyRules
 from unsplit._src.audit_padding import Program, padding_findings
 from unsplit._src.audit_state import Recorder, captured_module_finding, dropped_message
 
+__all__ = ["AuditError", "audit_loss", "check_loss", "raise_for"]
+
 
 class LossTraceError(Exception):
     """The user's loss failed to trace (its own error is the ``__cause__``)."""
-
-
-class AuditError(ValueError):
-    """Raised at trace time for findings that make a step depend on its schedule."""
-
-
-def raise_for(
-    findings: Sequence[Finding],
-    kinds: Iterable[str] = ("foreign_key", "dropped_state"),
-    caller: str = "unsplit.value_and_grad",
-) -> None:
-    """Raises :class:`AuditError` naming every finding of ``kinds``; returns if there is none.
-
-    Example:
-        >>> from unsplit._src.audit_finding import Finding
-        >>> from unsplit._src.audit_loss import raise_for
-        >>> raise_for([Finding("padding_unstable", "m", "f", "a.py", 1)])  # not an error kind
-        >>> raise_for([Finding("foreign_key", "a closure key", "use key", "a.py", 3)])
-        Traceback (most recent call last):
-        ...
-        unsplit._src.audit_loss.AuditError: unsplit.value_and_grad: loss_fn's result would depend on the schedule:
-          a.py:3: foreign_key: a closure key
-            fix: use key
-        Fix: change the lines above (unsplit.audit(loss_fn, params, batch, key) reports them too).
-    """
-    kinds = frozenset(kinds)
-    errors = [f for f in findings if f.kind in kinds]
-    if not errors:
-        return
-    lines = [f"  {f}\n    fix: {f.fix}" for f in errors]
-    raise AuditError(
-        f"{caller}: loss_fn's result would depend on the schedule:\n"
-        + "\n".join(lines)
-        + "\nFix: change the lines above (unsplit.audit(loss_fn, params, batch, key) reports "
-        "them too)."
-    )
 
 
 @dataclasses.dataclass
@@ -374,22 +344,3 @@ def _where(group: Sequence[Draw]) -> str:
         return "."
     more = ", ".join(str(s) for s in sites[1:4]) + (", ..." if len(sites) > 4 else "")
     return f" (also drawn at {more})."
-
-
-def audit_error(error: BaseException) -> Finding:
-    return finding(
-        "audit_error",
-        f"the audit failed ({type(error).__name__}: {error}); some checks did not run.",
-        UNKNOWN,
-    )
-
-
-def dedupe(findings: Iterable[Finding]) -> list[Finding]:
-    """The findings without repeats of the same kind at the same line, in order."""
-    seen: set[tuple] = set()
-    out = []
-    for f in findings:
-        if (f.kind, f.file, f.line) not in seen:
-            seen.add((f.kind, f.file, f.line))
-            out.append(f)
-    return out

@@ -72,7 +72,10 @@ def _import(module_name: str) -> Any:
         try:
             spec.loader.exec_module(module)
         except Exception as e:
-            raise FactoryError(f"importing {path} raised {type(e).__name__}: {e}") from e
+            raise FactoryError(
+                f"importing {path} raised {type(e).__name__}: {e}. Fix: the file must import "
+                f"without errors (try python {path})."
+            ) from e
         finally:
             sys.path.remove(os.path.dirname(path))
         return module
@@ -86,7 +89,10 @@ def _import(module_name: str) -> Any:
             "contains it, install it, or pass a file path (path/to/train.py:factory)."
         ) from e
     except Exception as e:
-        raise FactoryError(f"importing {module_name!r} raised {type(e).__name__}: {e}") from e
+        raise FactoryError(
+            f"importing {module_name!r} raised {type(e).__name__}: {e}. Fix: the module must "
+            f"import without errors (try python -c 'import {module_name}')."
+        ) from e
 
 
 def audit_factory(factory: Callable[[], Any], name: str = "the factory") -> list[Finding]:
@@ -94,7 +100,10 @@ def audit_factory(factory: Callable[[], Any], name: str = "the factory") -> list
     try:
         result = factory()
     except Exception as e:
-        raise FactoryError(f"calling {name}() raised {type(e).__name__}: {e}") from e
+        raise FactoryError(
+            f"calling {name}() raised {type(e).__name__}: {e}. Fix: the factory must run "
+            "without arguments and return the function and its example inputs."
+        ) from e
     fn, args, options = _unpack(result, name)
     try:
         if options is not None:
@@ -111,9 +120,17 @@ def audit_factory(factory: Callable[[], Any], name: str = "the factory") -> list
                 f"{name}() returned options {sorted(options)}; unsplit.audit accepts weighted "
                 "and has_aux. Fix: return one of those, or {} for none."
             ) from e
-        raise FactoryError(f"auditing {name}() failed: {type(e).__name__}: {e}") from e
+        raise FactoryError(_audit_failed(name, e)) from e
     except Exception as e:
-        raise FactoryError(f"auditing {name}() failed: {type(e).__name__}: {e}") from e
+        raise FactoryError(_audit_failed(name, e)) from e
+
+
+def _audit_failed(name: str, error: BaseException) -> str:
+    return (
+        f"auditing what {name}() returned failed: {type(error).__name__}: {error}. Fix: the "
+        "function must trace with those inputs (try jax.make_jaxpr(fn)(*args) or "
+        "jax.eval_shape(fn, *args))."
+    )
 
 
 def _unpack(result: Any, name: str) -> tuple[Callable, Sequence[Any], dict | None]:
@@ -129,7 +146,9 @@ def _unpack(result: Any, name: str) -> tuple[Callable, Sequence[Any], dict | Non
     fn, args, *rest = result
     options = rest[0] if rest else None
     if not callable(fn):
-        raise FactoryError(f"{name}() returned fn={fn!r}, which is not callable. Fix: {expected}.")
+        raise FactoryError(
+            f"{name}() returned fn={fn!r}, which is not callable. Fix: return {expected}."
+        )
     if not isinstance(args, tuple | list):
         raise FactoryError(
             f"{name}() returned args of type {type(args).__name__}; expected a tuple of fn's "
