@@ -129,6 +129,9 @@ class Rules:
     def visit(self, eqn: Any, ins: Sequence[Node], outs: Sequence[Node], ctx: Ctx) -> None:
         """Called once per primitive equation and context, after its outputs exist."""
 
+    def after_call(self, eqn: Any, ins: Sequence[Node], outs: Sequence[Node], ctx: Ctx) -> None:
+        """Called after an inlined call (``jit``, ...) with its input and output nodes."""
+
     def enter_map(self, eqn: Any, ins: Sequence[Node], ctx: Ctx) -> list[Info]:
         """Extra origins for each input of a device map (``shard_map``, ``xla_pmap``)."""
         return [EMPTY for _ in ins]
@@ -244,7 +247,9 @@ class Walker:
         ]
         if len(jaxpr.invars) != len(ins):  # an unfamiliar calling convention
             return self._primitive(eqn, ins, ctx)
-        return self.walk(jaxpr, const_nodes, ins, ctx.enter(eqn))
+        outs = self.walk(jaxpr, const_nodes, ins, ctx.enter(eqn))
+        self.rules.after_call(eqn, ins, outs, ctx)
+        return outs
 
     def _scan(self, eqn: Any, ins: list[Node], ctx: Ctx) -> list[Node]:
         p = eqn.params

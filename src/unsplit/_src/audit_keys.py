@@ -104,6 +104,24 @@ class KeyRules(Rules):
         elif name == "rng_bit_generator":
             self._draw(eqn, ins[:1], tuple(outs[-1].aval.shape), ctx, None)
 
+    def after_call(self, eqn: Any, ins: Sequence[Node], outs: Sequence[Node], ctx: Ctx) -> None:
+        """A jitted threefry (``jit[name=threefry2x32](k0, k1, x0, x1)``) counts as the primitive.
+
+        Libraries write the cipher in plain ``jnp`` inside a ``jit`` (unsplit's
+        own masks do, so XLA fuses its rounds): once inlined it is only adds
+        and xors, so the call's name is what marks it as a hash.
+        """
+        name = str(eqn.params.get("name", ""))
+        if "threefry" not in name or len(ins) != 4 or not outs:
+            return
+        tag = (ctx.path, id(eqn))
+        _add(outs, Origin("hash", name, ctx.site_of(eqn), tag=tag))
+        for node in ins[:2]:
+            self.key_material |= {o.tag for o in node.info if o.kind == "hash"}
+        if not ctx.silent and (ctx.path, id(eqn)) not in self._seen:
+            self._seen.add((ctx.path, id(eqn)))
+            self._draw(eqn, ins[:2], tuple(outs[0].aval.shape), ctx, tag)
+
     def _draw(self, eqn, keys: Sequence[Node], shape, ctx: Ctx, tag) -> None:
         aval = keys[0].aval
         dtype = str(aval.dtype)

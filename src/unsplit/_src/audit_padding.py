@@ -170,7 +170,7 @@ def _draw_site(node: Node) -> Site:
         if flat is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if flat.eqn.primitive.name in DRAWS:
+        if flat.eqn.primitive.name in DRAWS or "threefry" in str(flat.eqn.params.get("name", "")):
             return flat.site
         queue.extend(flat.ins)
     return node.producer.site
