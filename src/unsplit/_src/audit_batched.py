@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from unsplit._src import audit_trace
 from unsplit._src.audit_finding import Finding, dedupe, finding
@@ -104,10 +105,10 @@ def check_step(
         audit_trace.infer_batch_argnums(args) if batch_argnums is None else tuple(batch_argnums)
     )
     names = [f"args[{i}]" for i in range(len(args))]
-    traced = audit_trace.trace(fn, args, names)
+    traced = audit_trace.trace(fn, args, names, numpy_static=True)
     rules = BatchedRules()
     walker = Walker(rules)
-    outs = walker.run(traced.closed, _infos(traced.leaves, argnums), _const_origin)
+    outs = walker.run(traced.closed, _infos(traced.leaves, argnums), _const_origin(traced, argnums))
     draws = rules.draws_of()
     found = unsafe_key_findings(draws) + device_key_findings(draws) + rules.findings
     found += _multisteps(outs, traced.out_shape)
@@ -121,7 +122,8 @@ def check_step(
         )
         return dedupe(found)
     try:
-        larger = audit_trace.trace(fn, audit_trace.resize_batch(args, argnums, 2), names)
+        resized = audit_trace.resize_batch(args, argnums, 2)
+        larger = audit_trace.trace(fn, resized, names, numpy_static=True)
     except Exception as e:
         warnings.warn(
             f"unsplit.audit_step: batch_draw was not checked: the step does not trace with "
@@ -131,7 +133,7 @@ def check_step(
         )
         return dedupe(found)
     other = KeyRules()
-    Walker(other).run(larger.closed, _infos(larger.leaves, argnums), _const_origin)
+    Walker(other).run(larger.closed, _infos(larger.leaves, argnums), _const_origin(larger, argnums))
     found += batch_draw_findings(draws, other.draws_of())
     return dedupe(found)
 
@@ -209,5 +211,24 @@ def _infos(leaves: Sequence[audit_trace.Leaf], argnums: Sequence[int]) -> list[I
     return infos
 
 
-def _const_origin(index: int, value: Any) -> Origin:
-    return Origin("const", "a constant the step closes over")
+def _const_origin(traced: audit_trace.Traced, argnums: Sequence[int]) -> Callable:
+    """Constants that are the batch's NumPy leaves (held static) are batch data."""
+    batch = [(path, value) for arg, path, value in traced.static if arg in argnums]
+
+    def origin(index: int, value: Any) -> Origin:
+        for path, leaf in batch:
+            if _same_array(value, leaf):
+                return Origin("data", path)
+        return Origin("const", "a constant the step closes over")
+
+    return origin
+
+
+def _same_array(const: Any, leaf: np.ndarray) -> bool:
+    try:
+        array = np.asarray(const)
+    except Exception:  # a key array, a tracer of an enclosing trace
+        return False
+    if np.shares_memory(array, leaf):  # the leaf or a view of it (a microbatch slice)
+        return True
+    return array.shape == leaf.shape and array.dtype == leaf.dtype and np.array_equal(array, leaf)

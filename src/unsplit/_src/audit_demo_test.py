@@ -28,8 +28,13 @@ def standard_promotion():
 @pytest.fixture(scope="module")
 def demo():
     model, params, opt = demo_train.initial_state(CONFIG)
-    batch = demo_data.Dataset(CONFIG.batch_size, CONFIG.length, CONFIG.seed).batch(0)
-    return model, params, opt, batch, jax.random.key(0)
+    data = demo_data.Dataset(CONFIG.batch_size, CONFIG.length, CONFIG.seed)
+    return model, params, opt, data, jax.random.key(0)
+
+
+def _update_input(data):
+    """What the demo's training loop gives an update: ``(rows, ids)`` where the data has ids."""
+    return data.step(0) if hasattr(data, "step") else data.batch(0)
 
 
 def _kinds(findings):
@@ -45,9 +50,9 @@ def _kinds(findings):
     ],
 )
 def test_flax_contrast_rows(demo, scheme, kinds):
-    model, params, opt, batch, key = demo
+    model, params, opt, data, key = demo
     update = demo_train.flax_update(model, opt, scheme)
-    findings = unsplit.audit_step(update, params, opt.init(params), batch, key)
+    findings = unsplit.audit_step(update, params, opt.init(params), _update_input(data), key)
     assert _kinds(findings) == kinds
     if scheme == "same_key_microbatches":
         assert "the key is the same at every iteration" in findings[0].message
@@ -58,16 +63,17 @@ def test_flax_contrast_rows(demo, scheme, kinds):
 
 
 def test_multisteps_row_is_a_mean_of_means(demo):
-    model, params, opt, batch, key = demo
+    model, params, opt, data, key = demo
     update, init = demo_train.multisteps_update(model, opt, 8)
-    (finding,) = unsplit.audit_step(update, params, init(params), batch, key)
+    (finding,) = unsplit.audit_step(update, params, init(params), _update_input(data), key)
     assert finding.kind == "mean_of_means" and "MultiSteps" in finding.message
     assert finding.file == demo_train.__file__
     assert finding.line in _lines_of(demo_train.multisteps_update)
 
 
 def test_unsplit_steps_of_the_demo_are_clean(demo):
-    model, params, _, batch, key = demo
+    model, params, _, data, key = demo
+    batch = data.batch(0)
     loss_fn = tf.token_loss(model)
     for devices, microbatches in [(1, 1), (2, 4)]:
         step = demo_train.unsplit_step(
@@ -77,7 +83,8 @@ def test_unsplit_steps_of_the_demo_are_clean(demo):
 
 
 def test_unsplit_loss_finds_only_flax_attention_dropout(demo):
-    model, params, _, batch, key = demo
+    model, params, _, data, key = demo
+    batch = data.batch(0)
     findings = unsplit.audit(tf.token_loss(model), params, batch, key, weighted=True)
     if _attention_fns(model, params, batch) == {nn.dot_product_attention}:
         # Flax's attention draws its (heads, L, L) dropout mask at once: padding-unstable.

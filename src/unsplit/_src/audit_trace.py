@@ -32,11 +32,12 @@ class Leaf(NamedTuple):
 
 
 class Traced(NamedTuple):
-    """A traced function: its closed jaxpr, input leaves and output shapes."""
+    """A traced function: its closed jaxpr, input leaves, output shapes, static leaves."""
 
     closed: Any
     leaves: list[Leaf]
     out_shape: Any
+    static: tuple[tuple[int, str, Any], ...] = ()  # (argument, path, value) of static arrays
 
 
 def is_array(x: Any) -> bool:
@@ -56,20 +57,34 @@ def abstract(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak)
 
 
-def trace(fn: Callable, args: Sequence[Any], names: Sequence[str] | None = None) -> Traced:
+def trace(
+    fn: Callable,
+    args: Sequence[Any],
+    names: Sequence[str] | None = None,
+    *,
+    numpy_static: bool = False,
+) -> Traced:
     """Traces ``fn(*args)``; array leaves become inputs, other leaves stay static.
+
+    With ``numpy_static`` NumPy arrays stay concrete too, as they are when a
+    Python-level step (one that is not itself jitted) receives them and uses
+    NumPy on them; whatever reaches JAX becomes a constant of the jaxpr.
 
     Raises whatever tracing ``fn`` raises, after retrying with unbound axis
     names bound (size 2).
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(list(args))
-    dynamic = [i for i, (_, leaf) in enumerate(flat) if is_array(leaf)]
-    leaves = []
-    for i in dynamic:
-        path, leaf = flat[i]
+
+    def label(path):
         arg = path[0].idx
-        label = (names[arg] if names else f"args[{arg}]") + jax.tree_util.keystr(path[1:])
-        leaves.append(Leaf(arg, label, abstract(leaf)))
+        return (names[arg] if names else f"args[{arg}]") + jax.tree_util.keystr(path[1:])
+
+    def held(leaf):
+        return numpy_static and isinstance(leaf, np.ndarray | np.generic)
+
+    dynamic = [i for i, (_, leaf) in enumerate(flat) if is_array(leaf) and not held(leaf)]
+    leaves = [Leaf(flat[i][0][0].idx, label(flat[i][0]), abstract(flat[i][1])) for i in dynamic]
+    static = [(p[0].idx, label(p), leaf) for p, leaf in flat if is_array(leaf) and held(leaf)]
 
     def traced(*values):
         full = [leaf for _, leaf in flat]
@@ -78,7 +93,7 @@ def trace(fn: Callable, args: Sequence[Any], names: Sequence[str] | None = None)
         return fn(*jax.tree_util.tree_unflatten(treedef, full))
 
     closed, out_shape = make_jaxpr(traced, [leaf.aval for leaf in leaves])
-    return Traced(closed, leaves, out_shape)
+    return Traced(closed, leaves, out_shape, tuple(static))
 
 
 def make_jaxpr(fn: Callable, avals: Sequence[Any]) -> tuple[Any, Any]:
@@ -129,14 +144,17 @@ def infer_batch_argnums(args: Sequence[Any]) -> tuple[int, ...]:
 
 
 def resize_batch(args: Sequence[Any], argnums: Sequence[int], factor: int) -> list[Any]:
-    """``args`` as ``ShapeDtypeStruct`` s, the batch arguments' leading axes times ``factor``.
+    """``args`` with the batch arguments' leading axes times ``factor``.
 
-    Per-example key arguments (a key array whose leading size is the batch
-    size) are resized too.
+    NumPy leaves are repeated (they stay concrete); the other array leaves
+    become ``ShapeDtypeStruct`` s. Per-example key arguments (a key array whose
+    leading size is the batch size) are resized too.
     """
     sizes = set().union(*(leading_sizes(args[i]) for i in argnums)) if argnums else set()
 
     def grow(x):
+        if isinstance(x, np.ndarray):
+            return np.concatenate([x] * factor, axis=0)
         shape = np.shape(x)
         return jax.ShapeDtypeStruct((shape[0] * factor, *shape[1:]), x.dtype)
 
