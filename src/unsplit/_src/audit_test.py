@@ -45,6 +45,11 @@ def test_clean_corpus_steps_have_no_finding(case):
         assert audit_report.audit_factory(getattr(_corpus("clean"), case), case) == []
 
 
+def test_an_unsplit_step_is_clean_as_a_batched_step_too():
+    step, args = _corpus("clean").unsplit_step()
+    assert unsplit.audit_step(step, *args) == []
+
+
 def test_corpus_covers_every_kind_and_enough_cases():
     kinds = {kind for _, kind in audit_corpus.PROBLEMS.values()}
     assert kinds == {

@@ -36,3 +36,8 @@ def weights() -> jax.Array:
 
 def key() -> jax.Array:
     return jax.random.key(0)
+
+
+def abstract_init(model) -> dict:
+    """A Linen model's variables as ``jax.ShapeDtypeStruct`` s: the audit needs no values."""
+    return jax.eval_shape(model.init, jax.random.key(1), jnp.zeros((LENGTH, WIDTH)))

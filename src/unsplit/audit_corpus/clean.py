@@ -20,7 +20,7 @@ def unsplit_loss():
             return nn.Dropout(0.1, deterministic=False)(nn.Dense(_data.WIDTH)(x))
 
     model = MLP()
-    params = model.init(jax.random.key(1), jnp.zeros((_data.LENGTH, _data.WIDTH)))
+    params = _data.abstract_init(model)
 
     def loss_fn(params, example, key):
         k1, k2 = jax.random.split(key)
@@ -82,7 +82,12 @@ def stable_attention():
 
 
 def unsplit_step():
-    """``unsplit.value_and_grad`` on 2 devices x 2 microbatches, audited as a batched step."""
+    """``unsplit.value_and_grad`` on 2 devices x 2 microbatches.
+
+    ``unsplit audit`` checks a step's per-example loss; the tests also check
+    the step itself with ``unsplit.audit_step`` (its ``shard_map``, microbatch
+    ``scan`` and default ids from ``axis_index``).
+    """
     loss_fn, (params, batch, key), _ = unsplit_loss()
     mesh = jax.make_mesh(
         (2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]

@@ -48,7 +48,7 @@ class _LinenMLP(nn.Module):
 def linen_captured_rngs():
     """Linen ``rngs={'dropout': captured_key}``: the stream ignores the example's key."""
     model = _LinenMLP()
-    params = model.init(jax.random.key(1), jnp.zeros((_data.LENGTH, _data.WIDTH)))
+    params = _data.abstract_init(model)
 
     def loss_fn(params, example, key):
         out = model.apply(params, example["x"], rngs={"dropout": NOISE_KEY})
@@ -86,7 +86,7 @@ class _LinenNorm(nn.Module):
 def linen_batchnorm():
     """BatchNorm in a per-example loss: statistics of one example, updates discarded."""
     model = _LinenNorm()
-    variables = model.init(jax.random.key(1), jnp.zeros((_data.LENGTH, _data.WIDTH)))
+    variables = _data.abstract_init(model)
 
     def loss_fn(variables, example, key):
         out, _ = model.apply(variables, example["x"], mutable=["batch_stats"])
@@ -150,7 +150,7 @@ class _Attention(nn.Module):
 def attention_loss(attention_fn=nn.dot_product_attention):
     """A one-example attention loss with attention dropout (also used by the clean case)."""
     model = _Attention(attention_fn)
-    params = model.init(jax.random.key(1), jnp.zeros((_data.LENGTH, _data.WIDTH)))
+    params = _data.abstract_init(model)
 
     def loss_fn(params, example, key):
         out = model.apply(params, example["x"], rngs={"dropout": key})
