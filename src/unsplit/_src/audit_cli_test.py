@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 
 import unsplit
@@ -158,6 +159,27 @@ def test_an_unsplit_step_is_audited_as_it_calls_its_loss(capsys, monkeypatch):
     assert [(f["kind"], f["file"]) for f in json.loads(out)] == [
         ("foreign_key", per_example.__file__)
     ]
+
+
+def test_the_output_shown_in_the_docs_is_real(capsys, monkeypatch):
+    root = pathlib.Path(__file__).resolve().parents[3]
+    text = (root / "docs" / "audit.md").read_text()
+    block = text.split("### Real output", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.chdir(root)
+    runs = block.split("$ unsplit ")[1:]
+    assert len(runs) >= 4
+    for run in runs:
+        command, _, shown = run.partition("\n")
+        argv = command.split(";")[0].split()
+        with jax.numpy_dtype_promotion("standard"):  # the corpus is user code (optax)
+            code, out, err = _run(capsys, argv)
+        assert not err, err
+        expected = [line for line in shown.splitlines() if not line.startswith("exit status")]
+        got = out.replace(str(root), "...").splitlines()
+        assert [line.rstrip() for line in got] == [line.rstrip() for line in expected if line], argv
+        if "exit status" in shown:
+            assert f"exit status {code}" in shown, argv
 
 
 def test_python_m_unsplit_audit_entry_point():
