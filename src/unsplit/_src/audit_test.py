@@ -99,6 +99,24 @@ def test_audit_loss_runs_inside_a_jit_trace_on_abstract_values():
     assert [f.kind for f in found] == ["foreign_key", "padding_unstable"]
 
 
+def test_audit_loss_runs_inside_shard_map_where_the_batch_axis_is_bound():
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    found = []
+
+    def collective_loss(w, x, key):
+        return jnp.sum(jax.lax.pmean(x @ w, "data"))
+
+    def body(w, batch, key):
+        found.extend(audit_loss(collective_loss, w, batch[0], key))
+        found.extend(audit_loss(_padding_loss, w, batch[0], key))
+        return jax.lax.psum(jnp.sum(batch), "data")
+
+    specs = (jax.P(), jax.P("data"), jax.P())
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=jax.P()))
+    step(jnp.ones(4), jnp.ones((4, 6, 4)), jax.random.key(0))
+    assert [f.kind for f in found] == ["cross_example", "padding_unstable"]
+
+
 def test_audit_loss_accepts_shape_dtype_structs_and_kinds():
     w = jax.ShapeDtypeStruct((4,), jnp.float32)
     x = jax.ShapeDtypeStruct((6, 4), jnp.float32)
