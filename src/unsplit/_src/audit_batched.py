@@ -29,11 +29,10 @@ import jax
 import numpy as np
 
 from unsplit._src import audit_trace
-from unsplit._src.audit_finding import Finding, dedupe, finding
+from unsplit._src.audit_finding import AuditWarning, Finding, dedupe, finding
 from unsplit._src.audit_graph import Ctx, Info, Loop, Node, Origin, Walker, roots
 from unsplit._src.audit_keys import Draw, KeyRules
 from unsplit._src.audit_loss import device_key_findings, unsafe_key_findings
-from unsplit._src.audit_padding import AuditWarning
 
 _REDUCTIONS = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}

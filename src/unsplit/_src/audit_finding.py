@@ -143,6 +143,10 @@ class Finding:
         return dataclasses.asdict(self)
 
 
+class AuditWarning(UserWarning):
+    """A check the audit had to skip (the report may miss a problem); the message says why."""
+
+
 class AuditError(ValueError):
     """Raised at trace time for findings that make a step depend on its schedule."""
 

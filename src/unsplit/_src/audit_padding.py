@@ -31,17 +31,13 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from unsplit._src.audit_finding import Finding, Site, finding
+from unsplit._src.audit_finding import AuditWarning, Finding, Site, finding
 from unsplit._src.audit_graph import COLLECTIVES, DRAWS, FlatEqn, Node, Walker
 from unsplit._src.audit_keys import THREEFRY_DTYPE, Draw
 
 MAX_ELEMENTS = 1 << 20
 KEYS = 16  # keys the noise is evaluated with
 _NOT_EVALUABLE = COLLECTIVES | {"random_seed"}
-
-
-class AuditWarning(UserWarning):
-    """A check the audit had to skip (the report may miss a problem)."""
 
 
 class Program(NamedTuple):

@@ -13,8 +13,8 @@ import unsplit
 from unsplit import audit_corpus
 from unsplit._src import audit_loss as audit_loss_lib
 from unsplit._src import audit_report
+from unsplit._src.audit_finding import AuditWarning
 from unsplit._src.audit_loss import audit_loss
-from unsplit._src.audit_padding import AuditWarning
 
 
 def _corpus(module: str):
