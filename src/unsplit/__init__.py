@@ -10,6 +10,9 @@ from unsplit import linen as linen
 from unsplit import models as models
 from unsplit import nnx as nnx
 from unsplit import testing as testing
+from unsplit._src.audit import audit as audit
+from unsplit._src.audit import audit_step as audit_step
+from unsplit._src.audit_finding import Finding as Finding
 from unsplit._src.distributed import global_batch as global_batch
 from unsplit._src.dropout import dropout as dropout
 from unsplit._src.keys import Ids64 as Ids64
@@ -23,8 +26,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DroppedStateError",
+    "Finding",
     "Ids64",
     "Step",
+    "audit",
+    "audit_step",
     "dropout",
     "example_keys",
     "global_batch",

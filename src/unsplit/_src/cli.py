@@ -27,6 +27,8 @@ _EPILOG = """\
 commands:
   demo    train a small transformer with dropout under 10 schedules, plus the
           usual-way contrast rows, and compare the results (`unsplit demo --help`)
+  audit   trace a training step and report what makes it depend on its schedule
+          (`unsplit audit --help`)
 
 Library: import unsplit; step = unsplit.value_and_grad(loss_fn, ...). See README.md.
 """
@@ -141,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a PNG to PATH: loss curves, and divergence on a log scale",
     )
     out.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    _add_audit_parser(sub)
     return parser
 
 
@@ -173,6 +176,70 @@ def _number(name: str, low: float, high: float | None):
     return parse
 
 
+_AUDIT_DESCRIPTION = """\
+Trace a training step (nothing runs) and report what makes it depend on its
+schedule (devices, microbatches, padding), one panel per finding with the
+source line. FACTORY is a function of no arguments in MODULE (a module name
+importable from here, or a path/to/file.py) that returns either
+
+  (fn, args)                    an ordinary batched step: unsplit.audit_step(fn, *args)
+                                (for an unsplit.value_and_grad step: its per-example
+                                loss, as the step calls it)
+  (loss_fn, args, options)      a per-example loss: unsplit.audit(loss_fn, *args,
+                                **options), e.g. options = {"weighted": True}
+
+Kinds: foreign_key, cross_example, dropped_state, unsafe_key, padding_unstable,
+device_key, batch_draw, mean_of_means (docs/audit.md). Tracing uses 8 simulated
+CPU devices, as the demo does.
+"""
+
+_AUDIT_EPILOG = """\
+exit status: 0 (findings are printed), 1 with --strict when anything is found,
+2 when the factory cannot be loaded, called or audited.
+
+examples:
+  unsplit audit train.py:make_step
+  unsplit audit unsplit.audit_corpus.batched:same_key_microbatches
+  unsplit audit mypkg.train:make_loss --strict --json
+"""
+
+
+def _add_audit_parser(sub) -> None:
+    audit = sub.add_parser(
+        "audit",
+        help="report what makes a training step depend on its schedule (`unsplit audit --help`)",
+        description=_AUDIT_DESCRIPTION,
+        epilog=_AUDIT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    audit.add_argument("target", metavar="MODULE:FACTORY", help="the factory (see above)")
+    audit.add_argument(
+        "--strict", action="store_true", help="exit with status 1 if anything is found (for CI)"
+    )
+    audit.add_argument(
+        "--json",
+        action="store_true",
+        help="print the findings as a JSON list of {kind, message, fix, file, line}",
+    )
+
+
+def _audit(args: argparse.Namespace) -> int:
+    setup_jax_environment()
+    from unsplit._src import audit_report  # imports jax's backend: after the setup above
+
+    try:
+        factory = audit_report.load_factory(args.target)
+        findings = audit_report.audit_factory(factory, args.target)
+    except audit_report.FactoryError as e:
+        print(f"unsplit audit: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(audit_report.to_json(findings))
+    else:
+        audit_report.render(findings, args.target)
+    return 1 if args.strict and findings else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -181,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "demo":
         return _demo(parser, args)
+    if args.command == "audit":
+        return _audit(args)
     return 0
 
 

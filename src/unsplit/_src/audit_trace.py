@@ -1,0 +1,190 @@
+"""Tracing for the audit: abstract inputs, named axes, and inputs at another size.
+
+The audit never runs the user's function: it traces it with
+``jax.make_jaxpr`` on ``jax.ShapeDtypeStruct`` s. Array leaves (``jax.Array``,
+NumPy arrays, ``ShapeDtypeStruct``, tracers) are traced; every other leaf
+(Python numbers, strings, callables) is held static, as ``jit`` with
+``static_argnums`` would. A collective over an axis name the trace does not
+bind (``pmean(x, 'batch')`` in a per-example loss) is traced by binding that
+name with ``axis_env``, so the audit can report it instead of failing.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+_UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
+_MAX_AXIS_NAMES = 8
+
+
+class Leaf(NamedTuple):
+    """A traced input leaf: its argument index, path and abstract value."""
+
+    arg: int
+    path: str
+    aval: jax.ShapeDtypeStruct
+
+
+class Traced(NamedTuple):
+    """A traced function: its closed jaxpr, input leaves, output shapes, static leaves."""
+
+    closed: Any
+    leaves: list[Leaf]
+    out_shape: Any
+    static: tuple[tuple[int, str, Any], ...] = ()  # (argument, path, value) of static arrays
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(
+        x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | jax.core.Tracer
+    )
+
+
+def is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """A ``ShapeDtypeStruct`` of an array leaf (sharding dropped: the audit traces one program)."""
+    weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak)
+
+
+def trace(
+    fn: Callable,
+    args: Sequence[Any],
+    names: Sequence[str] | None = None,
+    *,
+    numpy_static: bool = False,
+) -> Traced:
+    """Traces ``fn(*args)``; array leaves become inputs, other leaves stay static.
+
+    With ``numpy_static`` NumPy arrays stay concrete too, as they are when a
+    Python-level step (one that is not itself jitted) receives them and uses
+    NumPy on them; whatever reaches JAX becomes a constant of the jaxpr.
+
+    Raises whatever tracing ``fn`` raises, after retrying with unbound axis
+    names bound (size 2).
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(list(args))
+
+    def label(path):
+        arg = path[0].idx
+        return (names[arg] if names else f"args[{arg}]") + jax.tree_util.keystr(path[1:])
+
+    def held(leaf):
+        return numpy_static and isinstance(leaf, np.ndarray | np.generic)
+
+    dynamic = [i for i, (_, leaf) in enumerate(flat) if is_array(leaf) and not held(leaf)]
+    leaves = [Leaf(flat[i][0][0].idx, label(flat[i][0]), abstract(flat[i][1])) for i in dynamic]
+    static = [(p[0].idx, label(p), leaf) for p, leaf in flat if is_array(leaf) and held(leaf)]
+
+    def traced(*values):
+        full = [leaf for _, leaf in flat]
+        for i, value in zip(dynamic, values, strict=True):
+            full[i] = value
+        return fn(*jax.tree_util.tree_unflatten(treedef, full))
+
+    closed, out_shape = make_jaxpr(traced, [leaf.aval for leaf in leaves])
+    return Traced(closed, leaves, out_shape, tuple(static))
+
+
+def make_jaxpr(fn: Callable, avals: Sequence[Any]) -> tuple[Any, Any]:
+    """``jax.make_jaxpr(fn, return_shape=True)(*avals)``, binding unbound axis names."""
+    axis_env: list[tuple[str, int]] = []
+    while True:
+        try:
+            return jax.make_jaxpr(fn, axis_env=axis_env, return_shape=True)(*avals)
+        except NameError as e:
+            match = _UNBOUND.search(str(e))
+            bound = {name for name, _ in axis_env}
+            if match is None or match.group(1) in bound or len(axis_env) >= _MAX_AXIS_NAMES:
+                raise
+            axis_env.append((match.group(1), 2))
+
+
+def leading_sizes(tree: Any) -> set[int | None]:
+    """The leading-axis sizes of a pytree's array leaves (``None`` for scalars)."""
+    return {
+        (np.shape(x)[0] if np.ndim(x) else None)
+        for x in jax.tree_util.tree_leaves(tree)
+        if is_array(x)
+    }
+
+
+def infer_batch_argnums(args: Sequence[Any]) -> tuple[int, ...]:
+    """Which arguments hold the batch: every array leaf has one leading size ``B``.
+
+    Key arguments are never the batch. With several candidates the first
+    argument (the params, by convention) is dropped, and the candidates
+    sharing the most common leading size are kept.
+    """
+    candidates = []
+    for i, arg in enumerate(args):
+        leaves = [x for x in jax.tree_util.tree_leaves(arg) if is_array(x)]
+        if not leaves or any(is_key(x) for x in leaves):
+            continue
+        sizes = leading_sizes(arg)
+        if len(sizes) == 1 and None not in sizes:
+            candidates.append((i, sizes.pop()))
+    if len(candidates) > 1:
+        candidates = [(i, b) for i, b in candidates if i != 0]
+    if not candidates:
+        return ()
+    counts = collections.Counter(b for _, b in candidates)
+    size = max(counts, key=lambda b: (counts[b], -[c for _, c in candidates].index(b)))
+    return tuple(i for i, b in candidates if b == size)
+
+
+def resize_batch(args: Sequence[Any], argnums: Sequence[int], factor: int) -> list[Any]:
+    """``args`` with the batch arguments' leading axes times ``factor``.
+
+    NumPy leaves are repeated (they stay concrete); the other array leaves
+    become ``ShapeDtypeStruct`` s. Per-example key arguments (a key array whose
+    leading size is the batch size) are resized too.
+    """
+    sizes = set().union(*(leading_sizes(args[i]) for i in argnums)) if argnums else set()
+
+    def grow(x):
+        if isinstance(x, np.ndarray):
+            return np.concatenate([x] * factor, axis=0)
+        shape = np.shape(x)
+        return jax.ShapeDtypeStruct((shape[0] * factor, *shape[1:]), x.dtype)
+
+    out = []
+    for i, arg in enumerate(args):
+        if i in argnums:
+            out.append(jax.tree.map(lambda x: grow(x) if is_array(x) else x, arg))
+        elif is_key(arg) and np.ndim(arg) and np.shape(arg)[0] in sizes:
+            out.append(grow(arg))
+        else:
+            out.append(arg)
+    return out
+
+
+def shrink_example(example: Any) -> Any | None:
+    """The example with the leading axis of every leaf of size >= 2 halved; ``None`` if none is."""
+    changed = False
+
+    def shrink(x):
+        nonlocal changed
+        if not is_array(x) or np.ndim(x) == 0 or np.shape(x)[0] < 2:
+            return x
+        changed = True
+        shape = np.shape(x)
+        return jax.ShapeDtypeStruct((shape[0] // 2, *shape[1:]), x.dtype)
+
+    out = jax.tree.map(shrink, example)
+    return out if changed else None
+
+
+def abstract_tree(tree: Any) -> Any:
+    """``tree`` with its array leaves as ``ShapeDtypeStruct`` s (other leaves kept)."""
+    return jax.tree.map(lambda x: abstract(x) if is_array(x) else x, tree)
