@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from unsplit._src import agreement, sums, validate
+from unsplit._src import agreement, audit_finding, audit_loss, sums, validate
 from unsplit._src import keys as keys_lib
 from unsplit._src.default_step import DefaultStep
 from unsplit._src.layout import Layout
@@ -32,6 +32,7 @@ def value_and_grad(
     batch_axes: str | tuple[str, ...] | None = None,
     bitwise: bool = False,
     chunk_size: int | None = None,
+    audit: bool = False,
 ) -> Step:
     """Makes a schedule-invariant ``(loss, grads)`` step from a one-example loss.
 
@@ -65,6 +66,11 @@ def value_and_grad(
             ``docs/bitwise.md``.
         chunk_size: bitwise mode's fixed unit of work, in examples (default:
             depends on the global batch size only).
+        audit: on the first call, run every per-example check of
+            :func:`unsplit.audit` (by tracing, nothing runs) and raise
+            :class:`~unsplit._src.audit_finding.AuditError` on any finding: for
+            CI. Without it, the first call still refuses a loss that draws
+            from a key it did not get as its third argument (``foreign_key``).
 
     Returns:
         A :class:`Step`; ``step(params, batch, key, ids=None)`` returns
@@ -95,6 +101,7 @@ def value_and_grad(
         batch_axes=batch_axes,
         bitwise=bitwise,
         chunk_size=chunk_size,
+        audit=audit,
     )
 
 
@@ -117,6 +124,7 @@ class Step:
         batch_axes: str | tuple[str, ...] | None = None,
         bitwise: bool = False,
         chunk_size: int | None = None,
+        audit: bool = False,
     ):
         validate.check_callable(loss_fn)
         validate.check_microbatches(microbatches)
@@ -130,7 +138,9 @@ class Step:
         self.layout = Layout.make(mesh, batch_axes)
         self.bitwise = validate.check_flag("bitwise", bitwise)
         self.chunk_size = chunk_size
+        self.audit = validate.check_flag("audit", audit)
         self._agreed = False  # several processes: agreed on the first call
+        self._audited = False
         if self.bitwise:
             from unsplit._src import bitwise as bitwise_lib
 
@@ -213,6 +223,19 @@ class Step:
         keys_lib.check_key(key)
         return validate.ids_words(ids, batch_size)
 
+    def _audit_once(self, params: Any, batch: Any, key: jax.Array) -> None:
+        """First call: trace the loss on one example and refuse schedule-dependent noise."""
+        if self._audited:
+            return
+        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+        kinds = None if self.audit else ("foreign_key",)
+        findings = audit_loss.audit_loss(
+            self.loss_fn, params, example, key, weighted=self.weighted, kinds=kinds
+        )
+        errors = {f.kind for f in findings} - {"audit_error"} if self.audit else {"foreign_key"}
+        audit_finding.raise_for(findings, kinds=errors)
+        self._audited = True
+
     def lower(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
         """The compiled program a call with these inputs runs, lowered (default mode).
 
@@ -229,6 +252,7 @@ class Step:
 
     def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
         ids = self._checked(params, batch, key, ids)
+        self._audit_once(params, batch, key)
         try:
             loss, grads, aux = self._impl(params, batch, key, ids)
         except jax.errors.JaxRuntimeError as e:
