@@ -21,6 +21,7 @@ from unsplit._src.keys import ids64 as ids64
 from unsplit._src.state_guard import DroppedStateError as DroppedStateError
 from unsplit._src.step import Step as Step
 from unsplit._src.step import value_and_grad as value_and_grad
+from unsplit._src.train_step import bitwise_train_step as bitwise_train_step
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "Step",
     "audit",
     "audit_step",
+    "bitwise_train_step",
     "dropout",
     "example_keys",
     "global_batch",

@@ -1,338 +1,314 @@
 """Bitwise mode: loss and grads bit-identical for every schedule of the same global batch.
 
-What was measured (DESIGN.md) and what this module does about it:
+What was measured (DESIGN.md, and ``docs/bitwise.md``) and what this module does:
 
-* XLA's matmuls are not batch-invariant, so the unit of work is a **chunk**
-  of ``chunk_size`` examples, always computed by the same program.
-* Inside a multi-device SPMD program XLA picks other layouts than in a
-  one-device program, so the chunk program is its **own** one-device
-  ``jax.jit``, dispatched on each device (in each process) for that device's
-  chunks. Its executable is the same wherever it runs.
-* Elementwise adds are exactly rounded, so chunk sums are combined by pairwise
-  adds in the canonical tree of :mod:`unsplit._src.reduce` over the *global*
-  chunk index: each device builds the aligned blocks of its share (a binary
-  counter, O(log chunks) partial sums). When every share is one aligned
-  subtree over a power-of-two device count (the usual case), the top of the
-  tree is recursive doubling with ``ppermute``: one extra block per device at a
-  time. Otherwise every device gathers all blocks (an ``all_gather``: data
-  movement, exact) and adds them in tree order. Never a ``psum``, whose order
-  the backend picks.
+* XLA's matmuls are not batch-invariant, so the unit of work is a **chunk** of
+  ``chunk_size`` examples, always computed by the same program.
+* The same computation compiled as a multi-device SPMD program and as a
+  one-device program gives other bits (XLA's SPMD pipeline simplifies the
+  algebra differently: e.g. a softmax's backward pass). So the chunks of each
+  group -- one device, or the model-parallel devices of a tensor-parallel
+  layout -- run in their **own** program, the same for every schedule;
+  only data movement and exactly-rounded adds happen in SPMD programs.
+* Chunk sums are added in one binary tree over the *global* chunk index
+  (:mod:`unsplit._src.reduce`), so no schedule changes the order of any add.
+
+The four programs are in :mod:`unsplit._src.bitwise_programs`; this module
+places the inputs, dispatches the programs and caches them. Host work per
+step is a few calls per device group, whatever the number of parameters (they
+travel as one flat vector per dtype).
 
 The guarantee holds on the same hardware and software (JAX, jaxlib, XLA
-flags) and for the same ``chunk_size``; see docs/bitwise.md.
+flags), the same ``chunk_size``, and the same model-parallel layout.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
+import weakref
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import bitwise_plan, sums, validate
+from unsplit._src import bitwise_programs as programs
 from unsplit._src import keys as keys_lib
-from unsplit._src import reduce, sums, validate
+from unsplit._src.layout import Layout, move_onto, named_spec
 
-DEFAULT_CHUNK = 8
+default_chunk_size = bitwise_plan.default_chunk_size
+DEFAULT_CHUNK = bitwise_plan.DEFAULT_CHUNK
 
-
-def default_chunk_size(batch: int) -> int:
-    """``min(8, the largest power of two dividing batch)``: depends on the batch only.
-
-    The chunk size must not depend on the schedule (it fixes the bits), so
-    the default is a function of the global batch size alone.
-    """
-    return min(DEFAULT_CHUNK, batch & -batch)
+# Compiled chunk programs, shared by every step built from the same loss function for
+# as long as that function lives: a compiled executable does not keep the function
+# alive, so dropping the function (and the steps) frees its programs too; a loop that
+# builds steps from one function compiles once.
+_EXECUTABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-@functools.cache
-def _chunk_program(spec: sums.LossSpec):
-    """The one-device chunk program, shared by every Step with the same loss."""
-
-    def chunk_sums(params, chunk, key, hi, lo):
-        ids = keys_lib.Ids64(hi=hi, lo=lo)
-        structure, arrays = sums.Params.split(params)
-        (loss_sum, weight, grads), _ = sums.example_sums(spec, structure, arrays, chunk, key, ids)
-        return loss_sum, weight, grads
-
-    return jax.jit(chunk_sums)
-
-
-_add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
-_unstack = jax.jit(lambda x, n: tuple(x.reshape(n, -1, *x.shape[1:])), static_argnums=1)
+def _shared(spec: sums.LossSpec) -> dict:
+    try:
+        return _EXECUTABLES.setdefault(spec.loss_fn, {})
+    except TypeError:  # a loss that cannot be weakly referenced: no sharing across steps
+        return {}
 
 
 class BitwiseStep:
     """Runs a :class:`~unsplit._src.step.Step` in bitwise mode."""
 
-    def __init__(self, step):
-        self.step = step
-        if step.chunk_size is not None:
-            c = step.chunk_size
-            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-                raise ValueError(
-                    f"chunk_size must be a positive int (examples per chunk); got {c!r}. "
-                    f"Fix: omit it for the default, or pass e.g. chunk_size={DEFAULT_CHUNK}."
-                )
-        self.chunk_program = _chunk_program(step.spec)
-        self._finishers: dict[Any, Any] = {}
-        self._pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+    def __init__(self, spec: sums.LossSpec, layout: Layout, chunk_size: Any):
+        self.spec = spec
+        self.chunk_size = bitwise_plan.check_chunk_size(chunk_size)
+        if layout.mesh is None:  # one device: a one-device mesh, the same programs
+            device = jax.local_devices()[0]
+            layout = Layout(Mesh(np.array([device]), ("batch",)), ("batch",))
+            self.single = True
+        else:
+            self.single = False
+        self.layout = layout
+        self._plans: dict[Any, Any] = {}
+        self._warned: set[str] = set()
 
-    def _pool(self, workers: int) -> concurrent.futures.ThreadPoolExecutor:
-        """A dispatch pool kept across calls (starting threads every step costs ~ms)."""
-        if workers not in self._pools:
-            self._pools[workers] = concurrent.futures.ThreadPoolExecutor(
-                max_workers=workers, thread_name_prefix="unsplit-bitwise"
-            )
-        return self._pools[workers]
-
-    def chunk_size(self, batch: int) -> int:
-        return self.step.chunk_size or default_chunk_size(batch)
+    def chunk(self, batch: int) -> int:
+        return self.chunk_size or default_chunk_size(batch)
 
     def __call__(self, params, batch, key, ids):
-        step = self.step
+        state, params = self.prepare(params, batch, key)
+        return state.run(params, batch, key, ids)
+
+    def prepare(self, params, batch, key) -> tuple[_Compiled, Any]:
+        """The compiled programs for these inputs, and the params placed on the mesh.
+
+        This is the per-call work that looks at every params leaf (their
+        shardings and placement); :func:`unsplit.bitwise_train_step` skips it
+        when it gets back the params it returned.
+        """
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, batch, key))):
             raise TypeError(
-                "bitwise=True cannot run inside jax.jit (or another transformation): it "
-                "dispatches one fixed chunk program per device and combines the results in a "
-                "fixed order, which needs concrete arrays. Fix: call the step outside jit "
-                "(jit your optimizer update separately), or use bitwise=False inside jit."
+                "bitwise=True cannot run inside jax.jit (or another transformation): its "
+                "chunk programs must be compiled on their own, because XLA compiles the same "
+                "computation inside a multi-device program into other bits (docs/bitwise.md). "
+                "Fix: use train = unsplit.bitwise_train_step(step, optimizer), which runs the "
+                "step and a jitted, donated optimizer update in one call; or call the step "
+                "outside jit."
             )
+        layout = self.layout
+        params = move_onto(
+            params, layout, lambda x: named_spec(x, layout.mesh), "params", self._warned
+        )
         size = validate.batch_size(batch)
-        chunk = self.chunk_size(size)
-        per_microbatch = size // (step.num_devices * step.microbatches)
-        if per_microbatch % chunk:
-            raise ValueError(
-                f"bitwise mode needs a whole number of chunks per microbatch: batch {size} / "
-                f"(devices {step.num_devices} x microbatches {step.microbatches}) = "
-                f"{per_microbatch} examples per microbatch, not a multiple of "
-                f"chunk_size={chunk}. Fix: pass a chunk_size that divides {per_microbatch} "
-                "(the same one for every schedule you compare), or use fewer microbatches."
-            )
-        n_chunks = size // chunk
-        devices = _batch_devices(step.mesh)
-        per_device = n_chunks // len(devices)
-        hi, lo = _id_words(ids, size, step.mesh)
-        local = [
-            (d, dev) for d, dev in enumerate(devices) if dev.process_index == jax.process_index()
-        ]
-        shares = _local_shares((batch, hi, lo), step.mesh, devices, local, per_device)
-        param_copies = _replicas(params, [dev for _, dev in local])
+        chunk = self.chunk(size)
+        return self._state(params, batch, key, size, chunk), params
 
-        def device_blocks(d, dev):
-            acc = reduce.Accumulator(_add)
-            p, k = param_copies[dev], jax.device_put(key, dev)
-            leaves, treedef = jax.tree.flatten(shares[d])
-            parts = [_unstack(x, per_device) for x in leaves]
-            for i in range(per_device):
-                b, hi_i, lo_i = jax.tree.unflatten(treedef, [part[i] for part in parts])
-                acc.push(d * per_device + i, self.chunk_program(p, b, k, hi_i, lo_i))
-            return d, acc.blocks
-
-        # One dispatching thread per device: devices run (and, on the first call, compile
-        # the same chunk program) in parallel. Always the pool's threads, even for one
-        # device, so every schedule dispatches under the same (thread-local) jax config.
-        pool = self._pool(len(local))
-        all_blocks = dict(pool.map(lambda item: device_blocks(*item), local))
-        loss, grads, _ = self._finish(params, all_blocks, devices, per_device, n_chunks)
-        structure, _ = sums.Params.split(params)
-        return loss, structure.grads_tree(grads), None
-
-    def _finish(self, params, all_blocks, devices, per_device, n_chunks):
-        """Gathers every device's blocks and adds them in the canonical tree order."""
-        layout = [
-            reduce.aligned_blocks(d * per_device, (d + 1) * per_device) for d in range(len(devices))
-        ]
-        slots = max(len(b) for b in layout)
-        user = self.step.mesh
-        # Combine on the user's mesh when it is 1-D, so grads land where the params live.
-        mesh = user if user is not None and user.devices.ndim == 1 else _line_mesh(devices)
-        stacked = []
-        for d, blocks in all_blocks.items():
-            values = [_to(blocks[b], devices[d]) for b in layout[d]]
-            if len(values) < slots:  # pad to the same number of slots on every device
-                values += [_zeros_like(values[0])] * (slots - len(values))
-            stacked.append(_stack_slots(*values))
-        global_blocks = jax.tree.map(
-            lambda *parts: jax.make_array_from_single_device_arrays(
-                (len(devices), *parts[0].shape[1:]),
-                NamedSharding(mesh, P(mesh.axis_names[0])),
-                list(parts),
-            ),
-            *stacked,
-        )
+    def _state(self, params, batch, key, size, chunk) -> _Compiled:
         structure, arrays = sums.Params.split(params)
-        dtypes = [jnp.dtype(jnp.result_type(a)) for a in structure.diff_of(arrays)]
-        finish = self._finisher(mesh, tuple(map(tuple, layout)), slots, n_chunks, dtypes)
-        loss, grads, weight = finish(global_blocks)
-        if user is None:  # plain single-device arrays, like the default mode's
-            return jax.tree.map(lambda x: x.addressable_data(0), (loss, grads, weight))
-        if mesh is not user:
-            loss, grads, weight = jax.device_put((loss, grads, weight), NamedSharding(user, P()))
-        return loss, grads, weight
+        specs = tuple(getattr(getattr(a, "sharding", None), "spec", None) for a in arrays)
+        shapes = tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(batch))
+        signature = (structure, specs, shapes, jax.tree.structure(batch), size, chunk)
+        try:
+            state = self._plans.get(signature)
+        except TypeError:
+            raise TypeError(
+                "params has a leaf that is neither an array nor hashable. Fix: make it an array, "
+                "or mark it static in your module (eqx.field(static=True))."
+            ) from None
+        if state is None:
+            self._check_schedule(size, chunk)
+            plan, _ = bitwise_plan.make_plan(
+                self.spec, self.layout, params, batch, key, size, chunk
+            )
+            state = _Compiled(self, plan)
+            self._plans[signature] = state
+        return state
 
-    def _finisher(self, mesh, layout, slots, n_chunks, dtypes):
-        cache_key = (tuple(mesh.devices.flat), layout, slots, n_chunks, tuple(dtypes))
-        if cache_key in self._finishers:
-            return self._finishers[cache_key]
+    def _check_schedule(self, size: int, chunk: int) -> None:
+        groups = self.layout.shards
+        share = size // groups  # the step has checked that the batch axes divide the batch
+        if share % chunk:
+            raise ValueError(
+                f"bitwise mode needs each device's share of the batch to be a whole number of "
+                f"chunks: batch {size} over {groups} batch device(s) is {share} examples each, "
+                f"not a multiple of chunk_size={chunk}. Fix: pass a chunk_size that divides "
+                f"{share} (the same one for every schedule you compare: it fixes the bits), or "
+                "use fewer devices for the batch."
+            )
 
-        axis = mesh.axis_names[0]
 
-        devices = len(layout)
-        doubling = (
-            devices & (devices - 1) == 0
-            and all(len(blocks) == 1 for blocks in layout)
-            and n_chunks & (n_chunks - 1) == 0
+class _Compiled:
+    """The programs of one plan, compiled on first use, and the per-call placement of inputs."""
+
+    def __init__(self, owner: BitwiseStep, plan: bitwise_plan.Plan):
+        self.owner = owner
+        self.plan = plan
+        mesh = owner.layout.mesh
+        self.pack = programs.pack_program(plan)
+        self.combine = programs.combine_program(plan)
+        if owner.single:
+            device = mesh.devices.flat[0]
+            grad_shardings = [jax.sharding.SingleDeviceSharding(device)] * sum(plan.structure.diff)
+            loss_sharding = jax.sharding.SingleDeviceSharding(device)
+        else:
+            specs = [s for s, d in zip(plan.specs, plan.structure.diff, strict=True) if d]
+            grad_shardings = [NamedSharding(mesh, s) for s in specs]
+            loss_sharding = NamedSharding(mesh, P())
+        self.unpack = programs.unpack_program(plan, grad_shardings, loss_sharding)
+        me = jax.process_index()
+        self.local_groups = [
+            g
+            for g in range(plan.groups)
+            if any(d.process_index == me for d in plan.group_devices(g).flat)
+        ]
+        self.chunk_fns = {
+            g: programs.chunks_program(plan, owner.spec, g) for g in self.local_groups
+        }
+        self.executables: dict[int, Any] = {}
+        self.shared = _shared(owner.spec)
+        gentry = programs._entry(plan.group_axes)
+        self.slots_sharding = NamedSharding(
+            plan.compute, P(programs._entry(owner.layout.batch_axes), None, gentry)
         )
+        self.total_sharding = NamedSharding(mesh, P(gentry))
+        self.same_mesh = plan.compute.devices.size == mesh.devices.size
 
-        def doubled(blocks):
-            # Every share is one aligned subtree and the device count a power of two: the
-            # top of the tree is recursive doubling. Round r adds partners d and d ^ 2**r
-            # (IEEE addition is commutative, so both get left + right, bit for bit);
-            # each device holds one extra block at a time, not one per device.
-            x = jax.tree.map(lambda a: a[0, 0], blocks)
-            for r in range(devices.bit_length() - 1):
-                perm = [(d, d ^ (1 << r)) for d in range(devices)]
-                x = jax.tree.map(jnp.add, x, jax.lax.ppermute(x, axis, perm))
-            return x
+    def run(self, params, batch, key, ids):
+        plan = self.plan
+        vectors = self.pack(params)
+        by_device = [{s.device: s.data for s in v.addressable_shards} for v in vectors]
+        rows = plan.per_group * plan.chunk
+        hi, lo = _id_words(ids, plan.chunks * plan.chunk)
+        args = {}
+        for g in self.local_groups:
+            gmesh = plan.group_mesh(g)
+            devices = list(plan.group_devices(g).flat)
+            place = _Placer(gmesh, devices, g * rows, rows)
+            group_vectors = [place.flat(v, by_device[i]) for i, v in enumerate(vectors)]
+            args[g] = (
+                group_vectors,
+                jax.tree.map(place.rows, batch),
+                place.rows(hi),
+                place.rows(lo),
+                place.whole(key),
+                np.int32(g * plan.per_group),
+                np.int32(plan.per_group),
+            )
+        if not self.executables:
+            self._compile(args)
+        outputs = {g: self.executables[g](*args[g]) for g in self.local_groups}
+        slots = [
+            jax.make_array_from_single_device_arrays(
+                (plan.groups, *out_shape(outputs, i)),
+                self.slots_sharding,
+                [s.data for g in self.local_groups for s in outputs[g][0][i].addressable_shards],
+            )
+            for i in range(len(plan.sums_flat.vectors))
+        ]
+        totals = self.combine(*slots)
+        if not self.same_mesh:
+            totals = jax.device_put(totals, self.total_sharding)
+        loss, grads = self.unpack(totals)
+        aux = self._aux(outputs) if self.owner.spec.has_aux else None
+        return loss, grads, aux
 
-        def gathered(blocks):
-            everyone = jax.tree.map(lambda x: jax.lax.all_gather(x, axis, tiled=True), blocks)
-            named = {}
-            for d, device_blocks in enumerate(layout):
-                for j, b in enumerate(device_blocks):
-                    named[b] = jax.tree.map(lambda x, d=d, j=j: x[d, j], everyone)
-            return reduce.combine(named, n_chunks, lambda a, b: jax.tree.map(jnp.add, a, b))
+    def _compile(self, args) -> None:
+        """Traces here (the caller's JAX settings apply), compiles every group in parallel."""
+        keys = {g: self._key(g, args[g]) for g in self.local_groups}
+        todo = [g for g in self.local_groups if keys[g] not in self.shared]
+        lowered = {g: jax.jit(self.chunk_fns[g]).lower(*args[g]) for g in todo}
+        if lowered:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+                compiled = pool.map(lambda low: low.compile(), lowered.values())
+                done = dict(zip(lowered, compiled, strict=True))
+            for g, compiled in done.items():
+                self.shared[keys[g]] = compiled
+        self.executables.update({g: self.shared[keys[g]] for g in self.local_groups})
 
-        def finish(blocks):
-            # Every device adds the same gathered blocks in the same order: truly replicated.
-            total = jax.shard_map(
-                doubled if doubling else gathered,
-                mesh=mesh,
-                in_specs=P(axis),
-                out_specs=P(),
-                check_vma=False,
-            )(blocks)
-            loss_sum, weight, grad_sum = total
-            loss, grads = sums.normalize(loss_sum, weight, grad_sum, dtypes)
-            return loss, grads, weight
+    def _key(self, g: int, args) -> Any:
+        """What group ``g``'s compiled program depends on: the plan, its devices, the inputs."""
+        leaves = jax.tree.leaves(args)
+        avals = tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
+        devices = tuple(d.id for d in self.plan.group_devices(g).flat)
+        spec = self.owner.spec
+        return (spec.weighted, spec.has_aux, self.plan, g, devices, avals)
 
-        replicated = NamedSharding(mesh, P())
-        program = jax.jit(
-            finish, in_shardings=NamedSharding(mesh, P(axis)), out_shardings=replicated
-        )
-        self._finishers[cache_key] = program
-        return program
+    def _aux(self, outputs):
+        """The groups' per-example aux, as global arrays in global-batch order."""
+        plan = self.plan
+        size = plan.chunks * plan.chunk
+        sharding = NamedSharding(plan.compute, P(programs._entry(self.owner.layout.batch_axes)))
+        per_group = [outputs[g][1] for g in self.local_groups]
 
+        def assemble(*leaves):
+            shards = [s.data for leaf in leaves for s in leaf.addressable_shards]
+            shards = [x for x in shards if x.devices() <= set(sharding.device_set)]
+            return jax.make_array_from_single_device_arrays(
+                (size, *leaves[0].shape[1:]), sharding, shards
+            )
 
-_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
-
-
-@jax.jit
-def _stack_slots(*values):
-    return jax.tree.map(lambda *xs: jnp.stack(xs)[None], *values)
-
-
-def _to(tree, device):
-    return jax.tree.map(lambda x: x if x.devices() == {device} else jax.device_put(x, device), tree)
+        return jax.tree.map(assemble, *per_group)
 
 
-def _line_mesh(devices) -> jax.sharding.Mesh:
-    return jax.sharding.Mesh(np.array(devices), ("chunks",), axis_types=(AxisType.Explicit,))
+def out_shape(outputs, i):
+    first = next(iter(outputs.values()))[0][i]
+    return first.shape[1:]
 
 
-def _batch_devices(mesh) -> list:
-    """The devices that each own one share of the batch: the mesh's first axis."""
-    if mesh is None:
-        return [jax.devices()[0]]
-    grid = np.asarray(mesh.devices)
-    return list(grid.reshape(grid.shape[0], -1)[:, 0])
+class _Placer:
+    """Puts a group's inputs on its devices: its rows of the batch, the whole key, its params."""
+
+    def __init__(self, gmesh: Mesh, devices: list, start: int, rows: int):
+        self.gmesh, self.devices, self.start, self.rows_n = gmesh, devices, start, rows
+        self.replicated = NamedSharding(gmesh, P())
+
+    def flat(self, vector, by_device):
+        shards = [by_device[d] for d in self.devices]
+        if len(shards) == 1:
+            return shards[0]
+        axes = tuple(self.gmesh.axis_names)
+        sharding = NamedSharding(self.gmesh, P(axes if len(axes) > 1 else axes[0]))
+        length = shards[0].shape[0] * len(shards)
+        return jax.make_array_from_single_device_arrays((length,), sharding, shards)
+
+    def rows(self, x):
+        stop = self.start + self.rows_n
+        if isinstance(x, jax.Array):
+            found = {}
+            for s in x.addressable_shards:
+                lo = s.index[0].start or 0
+                if lo == self.start and s.data.shape[0] == self.rows_n:
+                    found[s.device] = s.data
+            if all(d in found for d in self.devices):
+                pieces = [found[d] for d in self.devices]
+                if len(pieces) == 1:
+                    return pieces[0]
+                return jax.make_array_from_single_device_arrays(
+                    pieces[0].shape, self.replicated, pieces
+                )
+            if not x.is_fully_addressable:
+                raise ValueError(
+                    "a batch leaf is a global jax.Array whose rows for a local device group live "
+                    "in another process. Fix: build the batch with unsplit.global_batch("
+                    "local_rows, mesh) on the step's mesh."
+                )
+        host = np.asarray(x[self.start : stop])
+        if len(self.devices) == 1:
+            return jax.device_put(host, self.devices[0])
+        return jax.device_put(host, self.replicated)
+
+    def whole(self, x):
+        if len(self.devices) == 1:
+            return jax.device_put(x, self.devices[0])
+        return jax.device_put(x, self.replicated)
 
 
-def _id_words(ids, size, mesh):
+def _id_words(ids, size: int):
+    """The ids' (hi, lo) words as global or host arrays of shape (B,)."""
+    if ids is None:
+        return np.zeros(size, np.uint32), np.arange(size, dtype=np.uint32)
     if isinstance(ids, keys_lib.Ids64):
         return ids.hi, ids.lo
-    if ids is not None:
+    if jax.numpy.dtype(ids.dtype).itemsize == 8:
         return keys_lib.id_words(ids)
-    if mesh is not None and jax.process_count() > 1:
-        sharding = NamedSharding(mesh, P(mesh.axis_names[0]))
-        lo = jax.make_array_from_callback(
-            (size,), sharding, lambda idx: np.arange(size, dtype=np.uint32)[idx]
-        )
-        hi = jax.make_array_from_callback(
-            (size,), sharding, lambda idx: np.zeros(size, np.uint32)[idx]
-        )
-        return hi, lo
-    return np.zeros(size, np.uint32), np.arange(size, dtype=np.uint32)
-
-
-def _local_shares(tree, mesh, devices, local, per_device):
-    """For each local batch device ``d``: its rows of every leaf, on that device."""
-    n = len(devices)
-    shares = {d: [] for d, _ in local}
-    leaves, treedef = jax.tree.flatten(tree)
-    for leaf in leaves:
-        size = leaf.shape[0]
-        rows = size // n
-        by_start = {}
-        if isinstance(leaf, jax.Array):
-            for shard in leaf.addressable_shards:
-                start = shard.index[0].start or 0
-                if shard.data.shape[0] == rows:
-                    by_start.setdefault((start, shard.device), shard.data)
-        for d, dev in local:
-            piece = by_start.get((d * rows, dev))
-            if piece is None:
-                piece = jax.device_put(
-                    _host_rows(leaf, d * rows, (d + 1) * rows, by_start, rows), dev
-                )
-            shares[d].append(piece)
-    return {d: jax.tree.unflatten(treedef, parts) for d, parts in shares.items()}
-
-
-def _host_rows(leaf, start, stop, by_start, rows):
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        for (s, _), data in by_start.items():
-            if s == start:
-                return data
-        raise ValueError(
-            "a batch leaf is a global jax.Array whose rows for a local device live in another "
-            "process. Fix: build the batch with unsplit.global_batch(local_rows, mesh) on the "
-            "step's mesh."
-        )
-    return np.asarray(leaf[start:stop])
-
-
-def _replicas(params, devices) -> dict:
-    """A copy of ``params`` on each device, reusing replicated shards already there."""
-    leaves, treedef = jax.tree.flatten(params)
-    per_leaf = []
-    for leaf in leaves:
-        here = {}
-        if isinstance(leaf, jax.Array):
-            for shard in leaf.addressable_shards:
-                if shard.data.shape == leaf.shape:
-                    here[shard.device] = shard.data
-        per_leaf.append(here)
-    out = {}
-    for dev in devices:
-        parts = [
-            here.get(dev) if dev in here else jax.device_put(_host(leaf), dev)
-            for leaf, here in zip(leaves, per_leaf, strict=True)
-        ]
-        out[dev] = jax.tree.unflatten(treedef, parts)
-    return out
-
-
-def _host(leaf):
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        raise ValueError(
-            "bitwise mode needs the params replicated on every batch device; got a params leaf "
-            f"sharded as {leaf.sharding}. Fix: pass replicated params (host arrays, or "
-            "jax.device_put(params, NamedSharding(mesh, P())))."
-        )
-    return leaf
+    lo = jax.numpy.asarray(ids).astype(jax.numpy.uint32)
+    return jax.numpy.zeros_like(lo), lo

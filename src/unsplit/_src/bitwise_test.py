@@ -128,12 +128,14 @@ def test_second_call_does_not_retrace():
     assert first > 0 and len(traces) == first
 
 
-def test_schedule_that_cannot_be_canonical_is_an_error():
+def test_microbatches_never_refuse_but_a_share_of_partial_chunks_does():
+    assert testing.bits_equal(run(8, 4), reference())  # 8 examples per device, 2 per microbatch
     with pytest.raises(
         ValueError,
-        match=r"whole number of chunks per microbatch.*= 4 examples per microbatch, not a multiple of chunk_size=8",
+        match=r"whole number of chunks: batch 64 over 8 batch device\(s\) is 8 examples each, "
+        r"not a multiple of chunk_size=16",
     ):
-        run(8, 2)
+        run(8, 1, chunk_size=16)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])

@@ -164,6 +164,8 @@ def on_mesh(x: Any, mesh: jax.sharding.Mesh) -> bool:
     if not getattr(x, "committed", True):
         return True
     sharding = x.sharding
+    if mesh.devices.size == 1 and sharding.device_set == set(mesh.devices.flat):
+        return True
     if isinstance(sharding, NamedSharding):
         return sharding.mesh == mesh or (
             sharding.mesh.devices.shape == mesh.devices.shape

@@ -144,7 +144,7 @@ class Step:
         if self.bitwise:
             from unsplit._src import bitwise as bitwise_lib
 
-            self._impl = bitwise_lib.BitwiseStep(self)
+            self._impl = bitwise_lib.BitwiseStep(self.spec, self.layout, chunk_size)
         else:
             if chunk_size is not None:
                 raise ValueError(
@@ -219,7 +219,10 @@ class Step:
 
     def _validated(self, batch: Any, key: jax.Array, ids: Any) -> Any:
         batch_size = validate.batch_size(batch)
-        validate.check_schedule(batch_size, self.num_devices, self.microbatches, self.batch_axes)
+        # Bitwise mode computes one chunk at a time whatever the microbatches: they never
+        # make it refuse (its own check is that each device's share is whole chunks).
+        microbatches = 1 if self.bitwise else self.microbatches
+        validate.check_schedule(batch_size, self.num_devices, microbatches, self.batch_axes)
         keys_lib.check_key(key)
         return validate.ids_words(ids, batch_size)
 
@@ -263,7 +266,14 @@ class Step:
 
 
 def _traced(tree: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+    """Whether the call is being traced (inside the caller's jit): looks at few leaves.
+
+    ``tree`` is ``(params, batch, key, ids)``; only the first params leaf is
+    looked at, so the check costs nothing per parameter.
+    """
+    params, *rest = tree
+    first = jax.tree.leaves(params)[:1]
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((first, *rest)))
 
 
 def _with_memory_hint(error: Exception, step: Step) -> Exception:
