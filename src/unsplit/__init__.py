@@ -6,6 +6,7 @@ every reduction order, so a step gives the same loss and gradients on 1 device,
 on N devices, or as k gradient-accumulation microbatches.
 """
 
+from unsplit import equinox as equinox
 from unsplit import linen as linen
 from unsplit import models as models
 from unsplit import nnx as nnx
@@ -24,6 +25,7 @@ __all__ = [
     "Ids64",
     "Step",
     "dropout",
+    "equinox",
     "example_keys",
     "global_batch",
     "ids64",

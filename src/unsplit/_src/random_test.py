@@ -89,11 +89,12 @@ def test_edge_shapes():
 
 
 def threefry_sizes(jaxpr) -> list[int]:
-    """Counter sizes of every threefry2x32 call in a jaxpr, nested jaxprs included."""
+    """Output sizes of every threefry2x32 hash in a jaxpr (unsplit's or jax's), nested included."""
     sizes = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "threefry2x32":
-            sizes.append(eqn.invars[2].aval.size)
+        if eqn.primitive.name == "threefry2x32" or eqn.params.get("name") == "threefry2x32":
+            sizes.append(eqn.outvars[0].aval.size)
+            continue
         for param in eqn.params.values():
             inner = getattr(param, "jaxpr", param)
             if hasattr(inner, "eqns"):
@@ -105,6 +106,18 @@ def test_one_hash_per_four_elements():
     """The speed design: threefry runs on size/4 counters (jax.random.bernoulli: size)."""
     jaxpr = jax.make_jaxpr(lambda k: random.keep_mask(k, (64, 128), 0.1))(jax.random.key(0))
     assert threefry_sizes(jaxpr.jaxpr) == [64 * 128 // 4]
+    # The grid layout: one hash per (batch, head) coordinate to fold it in, then one per 4.
+    grid = jax.make_jaxpr(lambda k: random.grid_lanes16(k, (2, 8, 64, 128)))(jax.random.key(0))
+    assert threefry_sizes(grid.jaxpr) == [2 * 8, 2 * 8, 2 * 8 * 64 * 128 // 4]
+
+
+def test_written_out_threefry_equals_jax():
+    words = np.random.default_rng(0).integers(0, 2**32, (4, 257), dtype=np.uint32)
+    words[:, :3] = [[0, 0, 2**32 - 1], [0, 1, 2**32 - 1], [0, 0, 2**32 - 1], [0, 7, 2**32 - 1]]
+    w0, w1 = random.threefry2x32(*words)
+    for i in range(words.shape[1]):
+        want = jex_random.threefry_2x32(words[:2, i], words[2:, i])
+        np.testing.assert_array_equal([w0[i], w1[i]], want)
 
 
 def test_keep_threshold_resolution():
@@ -113,6 +126,21 @@ def test_keep_threshold_resolution():
     assert random.keep_threshold(0.5) == 2**15
     for rate in np.linspace(0.0, 1.0, 1001):
         assert abs(random.keep_threshold(rate) / 2**16 - (1 - rate)) <= 2**-17
+    # Near rate 1 the threshold never rounds to 0 (which would drop everything and bias
+    # the expectation); near rate 0 it may round to 2**16 (keep all, scale 1: unbiased).
+    for rate in [1 - 2**-17, 1 - 1e-6, 1 - 1e-9]:
+        assert random.keep_threshold(rate) == 1
+    assert random.keep_threshold(1e-6) == 2**16
+
+
+def test_traced_threshold_equals_the_python_one():
+    rates = np.concatenate([np.linspace(0, 1, 257), [1e-6, 1 - 1e-6, 0.1, 0.3, 0.999]])
+    keep = (1 - rates).astype(np.float32)
+    got = np.asarray(jax.jit(random.keep_threshold_array)(keep))
+    want = [random.keep_threshold(1 - float(k)) for k in keep]
+    np.testing.assert_array_equal(got, want)
+    assert int(random.keep_threshold_array(jnp.float32(1.5))) == 2**16  # clipped
+    assert int(random.keep_threshold_array(jnp.float32(-0.5))) == 0
 
 
 def test_wide_multiply_matches_python_integers():
