@@ -239,7 +239,9 @@ def nnx_dot_product_attention(
             **options,
         )
     # Flax's own checks of q, k and v, on shapes only (nothing runs).
-    flax_shape = functools.partial(nnx_attention.dot_product_attention, deterministic=True, **options)
+    flax_shape = functools.partial(
+        nnx_attention.dot_product_attention, deterministic=True, **options
+    )
     jax.eval_shape(flax_shape, query, key, value, bias, mask)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     weights = nnx_attention.dot_product_attention_weights(
@@ -264,7 +266,9 @@ def nnx_dot_product_attention(
         return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
     # Grouped-query attention, contracted as Flax does: value heads shared by groups.
     q_heads, v_heads = weights.shape[-3], value.shape[-2]
-    groups = weights.reshape(weights.shape[:-3] + (v_heads, q_heads // v_heads) + weights.shape[-2:])
+    groups = weights.reshape(
+        (*weights.shape[:-3], v_heads, q_heads // v_heads, *weights.shape[-2:])
+    )
     value = jnp.expand_dims(value, axis=-2)
     out = jnp.einsum("...hgqk,...kh1d->...qhgd", groups, value, precision=precision)
-    return out.reshape(out.shape[:-3] + (q_heads, out.shape[-1]))
+    return out.reshape((*out.shape[:-3], q_heads, out.shape[-1]))

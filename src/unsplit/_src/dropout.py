@@ -105,17 +105,26 @@ def layer_dropout(
     """The draw of a Flax-style layer once Flax would draw (``0 < rate < 1``, not deterministic)."""
     rate = check_rate(rate)
     x = jnp.asarray(inputs)
+    shape = mask_shape(x.shape, broadcast_dims)
+    scaled = _scale(x, rate)  # first, as flax: an integer x fails here under strict promotion
     check_inexact(x)
-    data = random.key_data(key)
-    return flat_dropout(data, x, rate, mask_shape(x.shape, broadcast_dims))
+    return flat_dropout(random.key_data(key), scaled, rate, shape, scaled=True)
 
 
-def flat_dropout(data: jax.Array, x: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Array:
-    """``select(mask, x / p, 0)`` in the flat layout, for ``0 < rate < 1``."""
+def _scale(x: jax.Array, rate: float) -> jax.Array:
+    # A Python float divisor keeps x's dtype, as flax's ``inputs / keep_prob``.
+    return x / random.keep_probability(random.keep_threshold(rate))
+
+
+def flat_dropout(
+    data: jax.Array, x: jax.Array, rate: float, shape: tuple[int, ...], *, scaled: bool = False
+) -> jax.Array:
+    """``select(mask, x / p, 0)`` in the flat layout, for ``0 < rate < 1`` (``x / p`` given if scaled)."""
     threshold = random.keep_threshold(rate)
-    scaled = x / random.keep_probability(threshold)  # a Python float: x's dtype, as flax
+    if not scaled:
+        x = _scale(x, rate)
     x_spec, spec = _specs(x, shape)
-    return masked(data, np.uint32(threshold), scaled, Layout(False, shape, x_spec, spec))
+    return masked(data, np.uint32(threshold), x, Layout(False, shape, x_spec, spec))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

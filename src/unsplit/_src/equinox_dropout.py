@@ -96,7 +96,7 @@ def equinox_dropout(key: Any, x: Any, p: Any) -> jax.Array:
         threshold = random.keep_threshold_array(q)
         divisor = jnp.maximum(threshold, np.uint32(1)).astype(jnp.float32) / random.LANE_VALUES
     else:
-        threshold = np.uint32(random.keep_threshold(1.0 - check_rate(p)))
+        threshold = np.uint32(random.keep_threshold(check_rate(p)))
         divisor = random.keep_probability(max(int(threshold), 1))  # p == 1: all dropped anyway
     data = random.key_data(key)
     x = jnp.asarray(x)
