@@ -233,3 +233,18 @@ def test_broadcast_dims_accept_numpy_integers_and_fail_like_flax():
         nn.Dropout(0.5, broadcast_dims=(5,), deterministic=False).apply(
             {}, X, rngs={"dropout": KEY}
         )
+
+
+def test_docs_examples_run():
+    """Every python block of docs/dropout.md runs as written (user code: standard promotion)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    if not (root / "pyproject.toml").exists():
+        pytest.skip("not run from the source tree")
+    blocks = re.findall(r"```python\n(.*?)```", (root / "docs" / "dropout.md").read_text(), re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        with jax.numpy_dtype_promotion("standard"):
+            exec(compile(block, "docs/dropout.md", "exec"), {})
