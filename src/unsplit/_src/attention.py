@@ -44,7 +44,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from unsplit._src import random
-from unsplit._src.dropout import Layout, check_rate, masked
+from unsplit._src.dropout import Layout, check_rate, masked, sharding_specs
 
 Array = jax.Array
 
@@ -90,7 +90,9 @@ def attention_dropout(
         shape = tuple(weights.shape)
     threshold = random.keep_threshold(rate)
     scaled = weights / jnp.asarray(random.keep_probability(threshold), dtype)
-    return masked(data, np.uint32(threshold), scaled, Layout(True, shape))
+    return masked(
+        data, np.uint32(threshold), scaled, Layout(True, shape, *sharding_specs(scaled, shape))
+    )
 
 
 def linen_dot_product_attention(

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from unsplit import linen as ulinen
 from unsplit import nnx as unnx
@@ -298,3 +300,22 @@ def test_nnx_module_with_our_attention_fn():
         nnx.pop(ours, nnx.Intermediate)["attention_weights"][0],
         nnx.pop(theirs, nnx.Intermediate)["attention_weights"][0],
     )
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_explicit_sharding_gives_the_unsharded_result(broadcast):
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    q, k, v = qkv(batch=(4,), heads=2)
+
+    def attend(q, k, v, key):
+        return ulinen.dot_product_attention(
+            q, k, v, dropout_rng=key, dropout_rate=0.5, broadcast_dropout=broadcast
+        )
+
+    want = jax.jit(attend)(q, k, v, KEY)
+    with jax.set_mesh(mesh):
+        spec = P("data", None, "model", None)
+        sharded = [jax.sharding.reshard(x, spec) for x in (q, k, v)]
+        got = jax.jit(attend)(*sharded, KEY)
+    assert jax.typeof(got).sharding.spec == spec
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

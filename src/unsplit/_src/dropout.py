@@ -123,7 +123,7 @@ def flat_dropout(
     threshold = random.keep_threshold(rate)
     if not scaled:
         x = _scale(x, rate)
-    x_spec, spec = _specs(x, shape)
+    x_spec, spec = sharding_specs(x, shape)
     return masked(data, np.uint32(threshold), x, Layout(False, shape, x_spec, spec))
 
 
@@ -160,7 +160,7 @@ masked.defvjp(_masked_fwd, _masked_bwd)
 @functools.partial(jax.jit, static_argnums=(3,))
 def _select(data: jax.Array, threshold: Any, x: jax.Array, layout: Layout) -> jax.Array:
     if layout.grid:
-        lanes = random.grid_lanes16_from_data(data, layout.shape)
+        lanes = random.grid_lanes16_from_data(data, layout.shape, layout.spec)
     else:
         lanes = random.lanes16_from_data(data, layout.shape, layout.spec)
     mask = lanes < jnp.asarray(threshold, jnp.uint32)
@@ -168,7 +168,7 @@ def _select(data: jax.Array, threshold: Any, x: jax.Array, layout: Layout) -> ja
     return lax.select(mask, x, jnp.zeros_like(x))
 
 
-def _specs(x: jax.Array, shape: tuple[int, ...]) -> tuple[jax.P | None, jax.P | None]:
+def sharding_specs(x: jax.Array, shape: tuple[int, ...]) -> tuple[jax.P | None, jax.P | None]:
     """x's and the mask's PartitionSpecs when x is sharded over explicit mesh axes, else None."""
     spec = getattr(jax.typeof(x).sharding, "spec", None)
     if spec is None or all(entry is None for entry in spec):

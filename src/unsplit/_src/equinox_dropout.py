@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from unsplit._src import random
-from unsplit._src.dropout import Layout, _specs, check_rate, masked
+from unsplit._src.dropout import Layout, check_rate, masked, sharding_specs
 
 _NO_KEY = (
     "Dropout requires a key when running in non-deterministic mode. Fix: call it with "
@@ -102,5 +102,5 @@ def equinox_dropout(key: Any, x: Any, p: Any) -> jax.Array:
     x = jnp.asarray(x)
     dtype = jnp.result_type(x, q)
     scaled = x.astype(dtype) / jnp.asarray(divisor, dtype)
-    x_spec, spec = _specs(scaled, x.shape)
+    x_spec, spec = sharding_specs(scaled, x.shape)
     return masked(data, threshold, scaled, Layout(False, x.shape, x_spec, spec))

@@ -252,31 +252,46 @@ def lanes16_from_data(
     return lanes if spec is None else jax.sharding.reshard(lanes, spec)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def grid_lanes16_from_data(data: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """:func:`grid_lanes16` from raw ``uint32[2]`` key words."""
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def grid_lanes16_from_data(
+    data: jax.Array, shape: tuple[int, ...], spec: jax.P | None = None
+) -> jax.Array:
+    """:func:`grid_lanes16` from raw ``uint32[2]`` key words.
+
+    ``spec`` (a ``PartitionSpec`` for ``shape`` under an explicit mesh) makes
+    every device draw only its own shard of the leading axes and rows.
+    """
     if len(shape) < 2:
         raise ValueError(f"the grid layout needs at least two axes (rows, cols); got {shape=}.")
     *lead, rows, cols = shape
     if math.prod(shape) == 0:
-        return jnp.zeros(shape, jnp.uint32)
+        return jnp.zeros(shape, jnp.uint32, out_sharding=spec)
     if rows > _MAX_COUNTERS_1D or -(-cols // LANES) > _MAX_COUNTERS_1D:
         raise ValueError(
             f"the grid layout takes at most 2**32 rows and 2**34 columns; got {shape=}."
         )
+    n = len(lead)
+    entries = (None,) * len(shape) if spec is None else (*spec, *(None,) * (len(shape) - len(spec)))
+    # The columns stay whole on each device (they are cut into blocks of four).
+    grid_spec = None if spec is None else jax.P(*entries[:-1], None)
+    lead_spec = None if spec is None else jax.P(*entries[:n])
     k0, k1 = data[0], data[1]
-    for axis in range(len(lead)):  # key_c = fold_in(... fold_in(key, c_1) ..., c_n)
-        coord = lax.broadcasted_iota(jnp.uint32, tuple(lead), axis)
+    for axis in range(n):  # key_c = fold_in(... fold_in(key, c_1) ..., c_n)
+        coord = lax.broadcasted_iota(jnp.uint32, tuple(lead), axis, out_sharding=lead_spec)
         k0, k1 = threefry2x32(k0, k1, jnp.zeros_like(coord), coord)
     blocks = -(-cols // LANES)
-    ones = (1,) * len(lead)
-    hi = lax.broadcasted_iota(jnp.uint32, (*ones, rows, 1), len(lead))
-    lo = lax.broadcasted_iota(jnp.uint32, (*ones, 1, blocks), len(lead) + 1)
+    ones = (1,) * n
+    row_spec = None if spec is None else jax.P(*(None,) * n, entries[n], None)
+    hi = lax.broadcasted_iota(jnp.uint32, (*ones, rows, 1), n, out_sharding=row_spec)
+    lo = lax.broadcasted_iota(jnp.uint32, (*ones, 1, blocks), n + 1)
     if lead:
-        k0, k1 = k0.reshape((*lead, 1, 1)), k1.reshape((*lead, 1, 1))
-    lanes = _lanes(*threefry2x32(k0, k1, hi, lo), None)
-    lanes = lanes.reshape((*lanes.shape[:-2], blocks * LANES))
-    return lanes if cols == blocks * LANES else lanes[..., :cols]
+        key_spec = None if spec is None else jax.P(*entries[:n], None, None)
+        k0 = k0.reshape((*lead, 1, 1), out_sharding=key_spec)
+        k1 = k1.reshape((*lead, 1, 1), out_sharding=key_spec)
+    lanes = _lanes(*threefry2x32(k0, k1, hi, lo), grid_spec)
+    lanes = lanes.reshape((*lanes.shape[:-2], blocks * LANES), out_sharding=grid_spec)
+    lanes = lanes if cols == blocks * LANES else lanes[..., :cols]
+    return lanes if spec is None else jax.sharding.reshard(lanes, spec)
 
 
 def _lanes(w0: jax.Array, w1: jax.Array, spec: jax.P | None) -> jax.Array:
