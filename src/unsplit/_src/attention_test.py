@@ -218,25 +218,42 @@ def test_gradients_regenerate_the_mask_and_match_the_reference():
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_no_more_compiled_temp_memory_than_flax():
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_no_more_compiled_temp_memory_than_flax(broadcast):
     q, k, v = qkv(batch=(4,), length=64, heads=4, depth=16)
     ct = jnp.ones_like(q)
 
+    def attend(fn, key, q, k, v):
+        return fn(q, k, v, dropout_rng=key, dropout_rate=0.1, broadcast_dropout=broadcast)
+
     def fwd_bwd(fn):
         def run(key, q, k, v, ct):
-            def attend(q, k, v):
-                return fn(q, k, v, dropout_rng=key, dropout_rate=0.1, broadcast_dropout=False)
-
-            y, vjp = jax.vjp(attend, q, k, v)
+            y, vjp = jax.vjp(functools.partial(attend, fn, key), q, k, v)
             return y, vjp(ct)
 
         return run
 
-    def temp(fn):
-        compiled = jax.jit(fwd_bwd(fn)).lower(KEY, q, k, v, ct).compile()
-        return compiled.memory_analysis().temp_size_in_bytes
+    def temp(fn, *args):
+        return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
-    assert temp(ulinen.dot_product_attention) <= temp(nn.dot_product_attention)
+    def fwd(fn):
+        return functools.partial(attend, fn)
+
+    for wrap, args in [(fwd, (KEY, q, k, v)), (fwd_bwd, (KEY, q, k, v, ct))]:
+        ours = temp(wrap(ulinen.dot_product_attention), *args)
+        theirs = temp(wrap(nn.dot_product_attention), *args)
+        assert ours <= theirs, (wrap.__name__, ours, theirs)
+
+
+def test_a_shared_mask_is_hashed_at_its_own_shape():
+    """broadcast_dropout: one hash per 4 weights of one (q, k) mask, not per batch row and head."""
+    from unsplit._src.random_test import threefry_sizes
+
+    q, k, v = qkv(batch=(4,), length=16, heads=2)
+    jaxpr = jax.make_jaxpr(
+        lambda key: ulinen.dot_product_attention(q, k, v, dropout_rng=key, dropout_rate=0.1)
+    )(KEY)
+    assert threefry_sizes(jaxpr.jaxpr) == [1, 1, 16 * 16 // 4]  # fold in (0, 0), then the mask
 
 
 # --- as attention_fn of Flax's attention modules ---

@@ -159,11 +159,16 @@ masked.defvjp(_masked_fwd, _masked_bwd)
 
 @functools.partial(jax.jit, static_argnums=(3,))
 def _select(data: jax.Array, threshold: Any, x: jax.Array, layout: Layout) -> jax.Array:
+    shared = layout.shape != x.shape  # a broadcast mask: drawn once at its own shape
     if layout.grid:
-        lanes = random.grid_lanes16_from_data(data, layout.shape, layout.spec)
+        lanes = random.grid_lanes16_from_data(data, layout.shape, layout.spec, shared)
     else:
-        lanes = random.lanes16_from_data(data, layout.shape, layout.spec)
+        lanes = random.lanes16_from_data(data, layout.shape, layout.spec, shared)
     mask = lanes < jnp.asarray(threshold, jnp.uint32)
+    if shared and layout.grid:
+        # Attention weights (finite) times a small 0/1 multiplier, as flax multiplies:
+        # XLA fuses it into the attention's matmuls instead of writing the weights again.
+        return x * mask.astype(x.dtype)
     mask = jnp.broadcast_to(mask, x.shape, out_sharding=layout.x_spec)
     return lax.select(mask, x, jnp.zeros_like(x))
 

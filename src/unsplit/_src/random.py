@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import random as jex_random
 
 from unsplit._src.keys import check_key, is_typed_key
 
@@ -221,14 +222,15 @@ def key_data(key: jax.Array) -> jax.Array:
     return jax.random.key_data(key) if is_typed_key(key) else jnp.asarray(key)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def lanes16_from_data(
-    data: jax.Array, shape: tuple[int, ...], spec: jax.P | None = None
+    data: jax.Array, shape: tuple[int, ...], spec: jax.P | None = None, shared: bool = False
 ) -> jax.Array:
     """:func:`lanes16` from raw ``uint32[2]`` key words.
 
     ``spec`` (a ``PartitionSpec`` for ``shape`` under an explicit mesh) makes
-    every device draw only its own shard.
+    every device draw only its own shard. ``shared=True`` for a mask that is
+    then broadcast (see :func:`_hash`): same bits.
     """
     size = math.prod(shape)
     if size == 0:
@@ -243,23 +245,24 @@ def lanes16_from_data(
         # by 4; built from per-axis iotas, so the SPMD partitioner can shard it.
         grouped = (*shape[:-1], shape[-1] // LANES)
         hi, lo = counter_words(grouped, spec=spec)
-        lanes = _lanes(*threefry2x32(data[0], data[1], hi, lo), spec)
+        lanes = _lanes(*_hash(data[0], data[1], hi, lo, shared), spec)
         return lanes.reshape(shape, out_sharding=spec)
     blocks = -(-size // LANES)
     hi, lo = counter_words((blocks,))
-    lanes = _lanes(*threefry2x32(data[0], data[1], hi, lo), None)
+    lanes = _lanes(*_hash(data[0], data[1], hi, lo, shared), None)
     lanes = lanes.reshape(-1)[:size].reshape(shape)
     return lanes if spec is None else jax.sharding.reshard(lanes, spec)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def grid_lanes16_from_data(
-    data: jax.Array, shape: tuple[int, ...], spec: jax.P | None = None
+    data: jax.Array, shape: tuple[int, ...], spec: jax.P | None = None, shared: bool = False
 ) -> jax.Array:
     """:func:`grid_lanes16` from raw ``uint32[2]`` key words.
 
     ``spec`` (a ``PartitionSpec`` for ``shape`` under an explicit mesh) makes
     every device draw only its own shard of the leading axes and rows.
+    ``shared=True`` for a mask that is then broadcast (see :func:`_hash`).
     """
     if len(shape) < 2:
         raise ValueError(f"the grid layout needs at least two axes (rows, cols); got {shape=}.")
@@ -288,10 +291,27 @@ def grid_lanes16_from_data(
         key_spec = None if spec is None else jax.P(*entries[:n], None, None)
         k0 = k0.reshape((*lead, 1, 1), out_sharding=key_spec)
         k1 = k1.reshape((*lead, 1, 1), out_sharding=key_spec)
-    lanes = _lanes(*threefry2x32(k0, k1, hi, lo), grid_spec)
+    lanes = _lanes(*_hash(k0, k1, hi, lo, shared), grid_spec)
     lanes = lanes.reshape((*lanes.shape[:-2], blocks * LANES), out_sharding=grid_spec)
     lanes = lanes if cols == blocks * LANES else lanes[..., :cols]
     return lanes if spec is None else jax.sharding.reshard(lanes, spec)
+
+
+def _hash(k0, k1, x0, x1, shared: bool) -> tuple[jax.Array, jax.Array]:
+    """threefry2x32: written out (fused), or jax's primitive for a ``shared`` mask.
+
+    A mask that is broadcast afterwards (``broadcast_dims``, attention's
+    ``broadcast_dropout``) must be drawn once at its own shape. Written out,
+    XLA fuses the hash into the broadcasting consumer and so recomputes it for
+    every element of the full array; jax's primitive runs as a loop over whole
+    arrays on CPU, which XLA does not fuse, as for ``jax.random.bernoulli``.
+    """
+    if not shared:
+        return threefry2x32(k0, k1, x0, x1)
+    shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in (k0, k1, x0, x1)))
+    words = [jnp.broadcast_to(a, shape) for a in (k0, k1, x0, x1)]
+    w0, w1 = jex_random.threefry2x32_p.bind(*words)
+    return w0, w1
 
 
 def _lanes(w0: jax.Array, w1: jax.Array, spec: jax.P | None) -> jax.Array:
