@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
+import time
 
 import common
 import flax.linen as nn
@@ -73,6 +75,26 @@ def fwd_bwd(fn):
     return run
 
 
+def cpu_ratios(candidates: dict, baseline: str, repeats: int) -> dict[str, float]:
+    """Median per-round ratio of process CPU time (all threads) to the baseline's.
+
+    On a machine shared with other jobs, wall time also counts waiting for a
+    core; CPU time counts the work. Rounds alternate the order, as ``common.compare``.
+    """
+    names = list(candidates)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.process_time()
+            common.block(candidates[name]())
+            times[name].append(time.process_time() - start)
+    base = times[baseline]
+    return {
+        name: statistics.median(t / b for t, b in zip(times[name], base, strict=True))
+        for name in names
+    }
+
+
 def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -92,13 +114,11 @@ def rows(setup: Setup) -> list[list[str]]:
             if not broadcast:
                 fns["flax, no dropout"] = wrap(attend(None, broadcast, dropout=False))
             progs = {name: jax.jit(fn) for name, fn in fns.items()}
+            calls = {name: (lambda p=p, a=args: p(*a)) for name, p in progs.items()}
             results = common.compare(
-                {name: (lambda p=p, a=args: p(*a)) for name, p in progs.items()},
-                baseline="flax",
-                repeats=setup.repeats,
-                inner=1,
-                warmup=setup.warmup,
+                calls, baseline="flax", repeats=setup.repeats, inner=1, warmup=setup.warmup
             )
+            cpu = cpu_ratios(calls, "flax", setup.repeats)
             temp = {name: common.compiled_temp_bytes(fn, *args) for name, fn in fns.items()}
             for r in results:
                 if r.name == "flax":
@@ -109,6 +129,7 @@ def rows(setup: Setup) -> list[list[str]]:
                         mode,
                         r.name,
                         common.ratio_cell(r),
+                        f"{cpu[r.name]:.2f}x",
                         f"{mib(temp[r.name])} vs {mib(temp['flax'])}",
                         f"{r.median_s * 1e3:.1f} vs "
                         f"{next(x for x in results if x.name == 'flax').median_s * 1e3:.1f} ms",
@@ -122,6 +143,7 @@ HEADER = [
     "pass",
     "candidate",
     "time / flax's (with dropout): median (min-max)",
+    "CPU time / flax's: median",
     "temp memory: candidate vs flax",
     "median times",
 ]
@@ -136,7 +158,9 @@ def render(table_rows: list[list[str]], setup: Setup) -> str:
         "(with dropout, same `broadcast_dropout`) within each round. *fwd+bwd* is `jax.vjp` "
         "returning the output and the gradients of q, k and v for a given cotangent, in one "
         "jitted program. *flax, no dropout* is Flax's attention with `deterministic=True`: "
-        "the matmuls and softmax alone, the floor for any dropout. Memory: XLA compiled temp "
+        "the matmuls and softmax alone, the floor for any dropout. *CPU time* is the process's "
+        "CPU time (all threads) per call, ratio per round, median: on a machine shared with "
+        "other jobs wall time also counts waiting for a core. Memory: XLA compiled temp "
         "bytes (goal: not more than Flax's).\n\n"
         f"{common.markdown_table(HEADER, table_rows)}\n"
     )

@@ -245,11 +245,11 @@ def lanes16_from_data(
         # by 4; built from per-axis iotas, so the SPMD partitioner can shard it.
         grouped = (*shape[:-1], shape[-1] // LANES)
         hi, lo = counter_words(grouped, spec=spec)
-        lanes = _lanes(*_hash(data[0], data[1], hi, lo, shared), spec)
+        lanes = _lanes(*_hash(data[0], data[1], hi, lo, shared, data), spec)
         return lanes.reshape(shape, out_sharding=spec)
     blocks = -(-size // LANES)
     hi, lo = counter_words((blocks,))
-    lanes = _lanes(*_hash(data[0], data[1], hi, lo, shared), None)
+    lanes = _lanes(*_hash(data[0], data[1], hi, lo, shared, data), None)
     lanes = lanes.reshape(-1)[:size].reshape(shape)
     return lanes if spec is None else jax.sharding.reshard(lanes, spec)
 
@@ -291,27 +291,33 @@ def grid_lanes16_from_data(
         key_spec = None if spec is None else jax.P(*entries[:n], None, None)
         k0 = k0.reshape((*lead, 1, 1), out_sharding=key_spec)
         k1 = k1.reshape((*lead, 1, 1), out_sharding=key_spec)
-    lanes = _lanes(*_hash(k0, k1, hi, lo, shared), grid_spec)
+    lanes = _lanes(*_hash(k0, k1, hi, lo, shared, data), grid_spec)
     lanes = lanes.reshape((*lanes.shape[:-2], blocks * LANES), out_sharding=grid_spec)
     lanes = lanes if cols == blocks * LANES else lanes[..., :cols]
     return lanes if spec is None else jax.sharding.reshard(lanes, spec)
 
 
-def _hash(k0, k1, x0, x1, shared: bool) -> tuple[jax.Array, jax.Array]:
-    """threefry2x32: written out (fused), or jax's primitive for a ``shared`` mask.
+def _hash(k0, k1, x0, x1, shared: bool, data: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """threefry2x32 words, each computed once per block of four lanes.
 
-    A mask that is broadcast afterwards (``broadcast_dims``, attention's
-    ``broadcast_dropout``) must be drawn once at its own shape. Written out,
-    XLA fuses the hash into the broadcasting consumer and so recomputes it for
-    every element of the full array; jax's primitive runs as a loop over whole
-    arrays on CPU, which XLA does not fuse, as for ``jax.random.bernoulli``.
+    The four lanes of a block read the same two words, and XLA, fusing the
+    written-out hash into the lanes' consumer, would compute it once per lane.
+    Dividing the words by a runtime 1 (exact) stops that: XLA does not fuse an
+    expensive op (a division) into a consumer that reads each element several
+    times, so the words are written once (2 bytes per element) and read by the
+    lanes. A ``shared`` mask (broadcast afterwards: ``broadcast_dims``,
+    attention's ``broadcast_dropout``) uses jax's threefry primitive, which XLA
+    never fuses on CPU (a loop over whole arrays, as for ``jax.random.bernoulli``),
+    so it is drawn once at its own shape, not for every element of the full array.
     """
-    if not shared:
-        return threefry2x32(k0, k1, x0, x1)
-    shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in (k0, k1, x0, x1)))
-    words = [jnp.broadcast_to(a, shape) for a in (k0, k1, x0, x1)]
-    w0, w1 = jex_random.threefry2x32_p.bind(*words)
-    return w0, w1
+    if shared:
+        shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in (k0, k1, x0, x1)))
+        words = [jnp.broadcast_to(a, shape) for a in (k0, k1, x0, x1)]
+        w0, w1 = jex_random.threefry2x32_p.bind(*words)
+        return w0, w1
+    w0, w1 = threefry2x32(k0, k1, x0, x1)
+    one = lax.div(data[0] | np.uint32(1), data[0] | np.uint32(1))  # 1, not a constant
+    return lax.div(w0, one), lax.div(w1, one)
 
 
 def _lanes(w0: jax.Array, w1: jax.Array, spec: jax.P | None) -> jax.Array:
