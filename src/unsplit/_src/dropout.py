@@ -138,8 +138,10 @@ def masked(data: jax.Array, threshold: Any, x: jax.Array, layout: Layout) -> jax
         layout: the mask's layout, shape and shardings.
 
     Returns:
-        ``x`` where the mask keeps, zeros elsewhere. Its gradient is the
-        cotangent masked the same way; the mask is drawn again, never stored.
+        ``x`` where the mask keeps, zeros elsewhere (a shared attention mask,
+        ``broadcast_dropout=True``, multiplies ``x`` by 0 or 1, as Flax does).
+        Its gradient is the cotangent masked the same way; the mask is drawn
+        again, never stored.
     """
     return _select(data, threshold, x, layout)
 
