@@ -6,6 +6,7 @@ every reduction order, so a step gives the same loss and gradients on 1 device,
 on N devices, or as k gradient-accumulation microbatches.
 """
 
+from unsplit import equinox as equinox
 from unsplit import linen as linen
 from unsplit import models as models
 from unsplit import nnx as nnx
@@ -34,6 +35,7 @@ __all__ = [
     "audit_step",
     "bitwise_train_step",
     "dropout",
+    "equinox",
     "example_keys",
     "global_batch",
     "ids64",

@@ -1,14 +1,25 @@
-"""Drop-in Flax Linen layers: ``unsplit.linen.Dropout`` for ``flax.linen.Dropout``.
+"""Drop-ins for Flax Linen: ``Dropout`` and ``dot_product_attention`` with unsplit's masks.
+
+Swap the class or the ``attention_fn``; everything but the random bits stays
+Flax's (fields, calls, names, rng streams and their fallbacks, errors).
 
 Example:
-    >>> import flax.linen as nn
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from unsplit import linen as ulinen
-    >>> class MLP(nn.Module):
+    >>> class Block(nn.Module):
     ...     @nn.compact
     ...     def __call__(self, x, train):
+    ...         x = nn.MultiHeadDotProductAttention(
+    ...             num_heads=2, dropout_rate=0.1, deterministic=not train,
+    ...             attention_fn=ulinen.dot_product_attention)(x)
     ...         return ulinen.Dropout(0.1, deterministic=not train)(nn.Dense(4)(x))
+    >>> x = jnp.ones((2, 8, 4))
+    >>> variables = Block().init(jax.random.key(0), x, train=False)
+    >>> Block().apply(variables, x, train=True, rngs={"dropout": jax.random.key(1)}).shape
+    (2, 8, 4)
 """
 
-from unsplit._src.dropout import LinenDropout as Dropout
+from unsplit._src.attention import linen_dot_product_attention as dot_product_attention
+from unsplit._src.linen_dropout import Dropout as Dropout
 
-__all__ = ["Dropout"]
+__all__ = ["Dropout", "dot_product_attention"]

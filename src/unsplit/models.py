@@ -1,7 +1,8 @@
 """Small ready-made models for examples, tests and benchmarks.
 
 ``Transformer`` is a plain ``flax.linen`` causal language model with dropout
-on its residual branches and attention weights. It is written for ONE example
+on its residual branches and attention weights (unsplit's drop-ins by default;
+``with_flax_dropout(model)`` swaps in Flax's own). It is written for ONE example
 (``tokens: int[L]``), the way :func:`unsplit.value_and_grad` calls a loss.
 
 Example:
@@ -24,6 +25,7 @@ from unsplit._src.transformer import init_params as init_params
 from unsplit._src.transformer import mean_loss as mean_loss
 from unsplit._src.transformer import synthetic_batch as synthetic_batch
 from unsplit._src.transformer import token_loss as token_loss
+from unsplit._src.transformer import with_flax_dropout as with_flax_dropout
 
 __all__ = [
     "Block",
@@ -33,4 +35,5 @@ __all__ = [
     "mean_loss",
     "synthetic_batch",
     "token_loss",
+    "with_flax_dropout",
 ]

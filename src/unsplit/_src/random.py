@@ -1,40 +1,55 @@
 """Prefix-stable fast random bits: one threefry hash gives four 16-bit lanes.
 
-These are the draws behind :func:`unsplit.dropout` and the ``Dropout`` layers.
+These are the draws behind :func:`unsplit.dropout`, the ``Dropout`` layers and
+the attention functions. Two layouts share one hash and one lane rule.
 
-**The rule.** An element's bits depend only on ``(key, i)``, where ``i`` is
-its row-major flat index inside the array. So ``lanes16(key, (b, D))`` equals
-the first ``b`` rows of ``lanes16(key, (B, D))``, and more generally any two
-shapes share the bits on their shared flat prefix: padding an input longer
-along its leading axis (or a 1-D input at its end) keeps the mask of the
-elements it already had. Padding a non-leading axis changes the flat indices,
-hence the bits.
-
-**The layout** (pinned by golden values in the tests, so a JAX upgrade that
-changes the cipher fails loudly). For element ``i``:
+**Flat layout** (dropout on activations). An element's bits depend only on
+``(key, i)``, where ``i`` is its row-major flat index inside the array. So
+``lanes16(key, (b, D))`` equals the first ``b`` rows of ``lanes16(key, (B, D))``,
+and any two shapes share the bits on their shared flat prefix: padding an
+input longer along its leading axis (or a 1-D input at its end) keeps the mask
+of the elements it already had. For element ``i``:
 
 * the counter is ``m = i // 4``, passed as the 64-bit pair ``(m >> 32, m & 0xFFFFFFFF)``;
-* ``(w0, w1) = threefry2x32(key, (hi, lo))`` (``jax.extend.random.threefry_2x32``;
-  the words are its output's two halves for the count ``concatenate([hi, lo])``);
+* ``(w0, w1) = threefry2x32(key, (hi, lo))`` (the words
+  ``jax.extend.random.threefry_2x32`` returns for the count ``concatenate([hi, lo])``);
 * lane ``j = i % 4`` is ``w0 & 0xFFFF``, ``w0 >> 16``, ``w1 & 0xFFFF``, ``w1 >> 16``
   for ``j = 0, 1, 2, 3``.
 
-``jax.random.bernoulli`` hashes once per element; this hashes once per four
-elements, which is where the dropout layers' speed comes from.
+**Grid layout** (attention weights ``[batch..., heads, q, k]``). An element's
+bits depend only on the key and its coordinates, never on the array's extent,
+so padding the query or key axis (or adding heads or batch rows) keeps the
+bits of every element that was already there. Element ``(c_1, ..., c_n, r, c)``
+reads lane ``c % 4`` of ``threefry2x32(key_c, (r, c // 4))``, where
+``key_c = fold_in(... fold_in(key, c_1) ..., c_n)`` (``jax.random.fold_in``'s
+words: ``threefry2x32(key, (0, c_i))``). The leading coordinates cost one hash
+per (batch, head) pair, negligible next to one per four weights.
+
+Both layouts are pinned by golden values in the tests, so a JAX upgrade that
+changes the cipher fails loudly. ``jax.random.bernoulli`` hashes once per
+element; these hash once per four elements. The hash is written out
+(:func:`threefry2x32`) so XLA fuses its 20 rounds into one elementwise loop
+with the key words in registers; jax's CPU lowering of the primitive runs the
+rounds as a loop over whole arrays, which is slow once the keys vary per
+element (per-example keys under ``vmap``, per-head keys).
 
 **Rate resolution.** An element is kept iff its lane is below
-``keep_threshold(rate) = round((1 - rate) * 2**16)``, so the keep probability
-is ``keep_threshold(rate) / 2**16``: ``rate`` is quantized to multiples of
-``2**-16`` (about 1.5e-5) and the keep probability is within ``2**-17`` of
-``1 - rate``. Rates below ``2**-17`` keep every element. (FlashAttention uses
-8-bit thresholds, a resolution of ``2**-8``.)
+``keep_threshold(rate)``, the nearest integer to ``(1 - rate) * 2**16``,
+but at least 1 when ``rate < 1``. The keep probability actually used is
+``keep_probability(threshold) = threshold / 2**16`` and kept elements are
+scaled by its inverse, so ``E[dropout(x)] == x`` exactly at every rate; the
+keep probability is within ``2**-17`` (about 7.6e-6) of ``1 - rate``, and rates
+in ``(1 - 2**-17, 1)`` keep ``2**-16`` of the elements (scaled by ``2**16``)
+instead of rounding to "drop everything". Rates below ``2**-17`` keep every
+element (scale 1). (FlashAttention uses 8-bit thresholds, a resolution of
+``2**-8``.)
 
 **Independence.** Distinct elements use disjoint bits of the cipher output
-(four lanes of one 64-bit block) or different counters, and threefry2x32 is a
-block cipher keyed by ``key``, so lanes are as independent as threefry's
-outputs; keys from ``unsplit.example_keys`` give independent masks per
-example. The tests check the keep fraction, the joint law of the four lanes of
-a block, neighbours at several lags, and two keys against each other.
+(four lanes of one 64-bit block) or different counters or keys, and
+threefry2x32 is a block cipher keyed by ``key``, so lanes are as independent as
+threefry's outputs. The tests check the keep fraction, the joint law of the
+four lanes of a block, neighbours at several lags, and two keys against each
+other.
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import random as jex_random
 
@@ -51,32 +67,90 @@ from unsplit._src.keys import check_key, is_typed_key
 
 LANE_BITS = 16
 LANES = 4  # 16-bit lanes per 64-bit threefry output
-_LANE_VALUES = 1 << LANE_BITS
+LANE_VALUES = 1 << LANE_BITS
 _MAX_COUNTERS_1D = 1 << 32  # above this many counters, 64-bit index arithmetic
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
 def keep_threshold(rate: float) -> int:
     """Returns the 16-bit keep threshold for a drop ``rate`` in ``[0, 1]``.
 
     An element is kept iff its lane is below the threshold, so the keep
-    probability is ``keep_threshold(rate) / 2**16``.
+    probability is ``keep_probability(keep_threshold(rate))``.
 
     Args:
         rate: the drop probability, a Python number in ``[0, 1]``.
 
     Returns:
-        ``round((1 - rate) * 2**16)`` (halves round up), an int in ``[0, 2**16]``.
+        ``round((1 - rate) * 2**16)`` (halves round up), at least 1 when
+        ``rate < 1``: an int in ``[0, 2**16]``, 0 only for ``rate == 1``.
 
     Example:
         >>> from unsplit._src import random
         >>> random.keep_threshold(0.1), random.keep_threshold(0.0), random.keep_threshold(1.0)
         (58982, 65536, 0)
+        >>> random.keep_threshold(1 - 1e-6)  # never rounds to "drop everything"
+        1
     """
-    return math.floor((1.0 - float(rate)) * _LANE_VALUES + 0.5)
+    rate = float(rate)
+    if rate >= 1.0:
+        return 0
+    return max(1, math.floor((1.0 - rate) * LANE_VALUES + 0.5))
+
+
+def keep_probability(threshold: int) -> float:
+    """The keep probability a threshold gives: ``threshold / 2**16`` (exact in float32).
+
+    Example:
+        >>> from unsplit._src import random
+        >>> random.keep_probability(random.keep_threshold(0.5))
+        0.5
+    """
+    return threshold / LANE_VALUES
+
+
+def keep_threshold_array(keep: jax.Array) -> jax.Array:
+    """:func:`keep_threshold` for a traced keep probability ``keep = 1 - rate`` (``uint32``).
+
+    ``keep`` is clipped to ``[0, 1]``; the rounding is done in float32.
+    """
+    scaled = jnp.clip(jnp.asarray(keep, jnp.float32), 0.0, 1.0) * np.float32(LANE_VALUES)
+    rounded = jnp.floor(scaled + np.float32(0.5)).astype(jnp.uint32)
+    return jnp.where(scaled > 0, jnp.maximum(rounded, np.uint32(1)), np.uint32(0))
+
+
+@jax.jit
+def threefry2x32(
+    k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The threefry2x32 block cipher (20 rounds), elementwise over same-rank ``uint32`` arrays.
+
+    Bit for bit the function behind ``jax.random`` (the tests compare it with
+    ``jax.extend.random.threefry_2x32``), written out so XLA fuses it.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from jax.extend import random as jex_random
+        >>> from unsplit._src import random
+        >>> k = np.array([1, 2], np.uint32)
+        >>> w0, w1 = random.threefry2x32(k[0], k[1], np.uint32(0), np.uint32(7))
+        >>> bool(np.all(np.array([w0, w1]) == jex_random.threefry_2x32(k, np.array([0, 7], np.uint32))))
+        True
+    """
+    ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = (x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))
+            x1 = x0 ^ x1
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x0, x1
 
 
 def lanes16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Returns prefix-stable 16-bit random values (as ``uint32``) of ``shape``.
+    """Returns prefix-stable 16-bit random values (as ``uint32``) of ``shape`` (flat layout).
 
     Args:
         key: a threefry PRNG key of shape ``()`` (``jax.random.key``), or a
@@ -99,7 +173,7 @@ def lanes16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def keep_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
-    """Returns a prefix-stable boolean keep mask: ``True`` with probability ``1 - rate``.
+    """Returns a prefix-stable boolean keep mask (flat layout), ``True`` with probability ~``1 - rate``.
 
     Args:
         key: a threefry PRNG key of shape ``()``, or a legacy ``uint32[2]`` key.
@@ -117,7 +191,29 @@ def keep_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
         >>> round(float(mask.mean()), 2)
         0.75
     """
-    return mask_from_data(key_data(key), tuple(shape), keep_threshold(rate))
+    return lanes16(key, shape) < np.uint32(keep_threshold(rate))
+
+
+def grid_lanes16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Returns 16-bit random values (as ``uint32``) of ``shape`` in the grid layout.
+
+    Args:
+        key: a threefry PRNG key of shape ``()``, or a legacy ``uint32[2]`` key.
+        shape: ``(*leading, rows, cols)``, at least two axes.
+
+    Returns:
+        A ``uint32`` array of ``shape``; element ``(*c, r, k)`` depends only on
+        ``(key, c, r, k)``, whatever the extents.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from unsplit._src import random
+        >>> key = jax.random.key(0)
+        >>> small, big = random.grid_lanes16(key, (2, 3, 5)), random.grid_lanes16(key, (4, 6, 10))
+        >>> bool(np.all(big[:2, :3, :5] == small))
+        True
+    """
+    return grid_lanes16_from_data(key_data(key), tuple(shape))
 
 
 def key_data(key: jax.Array) -> jax.Array:
@@ -127,21 +223,14 @@ def key_data(key: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def mask_from_data(
-    data: jax.Array, shape: tuple[int, ...], threshold: int, spec: jax.P | None = None
-) -> jax.Array:
-    """The keep mask from raw key words: ``lanes16 < threshold``."""
-    return lanes16_from_data(data, shape, spec) < jnp.uint32(threshold)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
 def lanes16_from_data(
-    data: jax.Array, shape: tuple[int, ...], spec: jax.P | None = None
+    data: jax.Array, shape: tuple[int, ...], spec: jax.P | None = None, shared: bool = False
 ) -> jax.Array:
     """:func:`lanes16` from raw ``uint32[2]`` key words.
 
     ``spec`` (a ``PartitionSpec`` for ``shape`` under an explicit mesh) makes
-    every device draw only its own shard.
+    every device draw only its own shard. ``shared=True`` for a mask that is
+    then broadcast (see :func:`_hash`): same bits.
     """
     size = math.prod(shape)
     if size == 0:
@@ -155,26 +244,91 @@ def lanes16_from_data(
         # Block m = i // 4 is the flat index in ``shape`` with its last axis cut
         # by 4; built from per-axis iotas, so the SPMD partitioner can shard it.
         grouped = (*shape[:-1], shape[-1] // LANES)
-        lanes = _lanes(data, counter_words(grouped, spec=spec), spec)
+        hi, lo = counter_words(grouped, spec=spec)
+        lanes = _lanes(*_hash(data[0], data[1], hi, lo, shared, data), spec)
         return lanes.reshape(shape, out_sharding=spec)
     blocks = -(-size // LANES)
-    lanes = _lanes(data, counter_words((blocks,)), None)
+    hi, lo = counter_words((blocks,))
+    lanes = _lanes(*_hash(data[0], data[1], hi, lo, shared, data), None)
     lanes = lanes.reshape(-1)[:size].reshape(shape)
     return lanes if spec is None else jax.sharding.reshard(lanes, spec)
 
 
-def _lanes(data: jax.Array, counters: tuple[jax.Array, jax.Array], spec: jax.P | None) -> jax.Array:
-    """Four 16-bit lanes per counter: shape ``counters.shape + (4,)``."""
-    hi, lo = counters
-    # The primitive behind jax.extend.random.threefry_2x32, without its ravel, so
-    # sharded counters stay sharded.
-    w0, w1 = jex_random.threefry2x32_p.bind(data[0], data[1], hi, lo)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def grid_lanes16_from_data(
+    data: jax.Array, shape: tuple[int, ...], spec: jax.P | None = None, shared: bool = False
+) -> jax.Array:
+    """:func:`grid_lanes16` from raw ``uint32[2]`` key words.
+
+    ``spec`` (a ``PartitionSpec`` for ``shape`` under an explicit mesh) makes
+    every device draw only its own shard of the leading axes and rows.
+    ``shared=True`` for a mask that is then broadcast (see :func:`_hash`).
+    """
+    if len(shape) < 2:
+        raise ValueError(f"the grid layout needs at least two axes (rows, cols); got {shape=}.")
+    *lead, rows, cols = shape
+    if math.prod(shape) == 0:
+        return jnp.zeros(shape, jnp.uint32, out_sharding=spec)
+    if rows > _MAX_COUNTERS_1D or -(-cols // LANES) > _MAX_COUNTERS_1D:
+        raise ValueError(
+            f"the grid layout takes at most 2**32 rows and 2**34 columns; got {shape=}."
+        )
+    n = len(lead)
+    entries = (None,) * len(shape) if spec is None else (*spec, *(None,) * (len(shape) - len(spec)))
+    # The columns stay whole on each device (they are cut into blocks of four).
+    grid_spec = None if spec is None else jax.P(*entries[:-1], None)
+    lead_spec = None if spec is None else jax.P(*entries[:n])
+    k0, k1 = data[0], data[1]
+    for axis in range(n):  # key_c = fold_in(... fold_in(key, c_1) ..., c_n)
+        coord = lax.broadcasted_iota(jnp.uint32, tuple(lead), axis, out_sharding=lead_spec)
+        k0, k1 = threefry2x32(k0, k1, jnp.zeros_like(coord), coord)
+    blocks = -(-cols // LANES)
+    ones = (1,) * n
+    row_spec = None if spec is None else jax.P(*(None,) * n, entries[n], None)
+    hi = lax.broadcasted_iota(jnp.uint32, (*ones, rows, 1), n, out_sharding=row_spec)
+    lo = lax.broadcasted_iota(jnp.uint32, (*ones, 1, blocks), n + 1)
+    if lead:
+        key_spec = None if spec is None else jax.P(*entries[:n], None, None)
+        k0 = k0.reshape((*lead, 1, 1), out_sharding=key_spec)
+        k1 = k1.reshape((*lead, 1, 1), out_sharding=key_spec)
+    lanes = _lanes(*_hash(k0, k1, hi, lo, shared, data), grid_spec)
+    lanes = lanes.reshape((*lanes.shape[:-2], blocks * LANES), out_sharding=grid_spec)
+    lanes = lanes if cols == blocks * LANES else lanes[..., :cols]
+    return lanes if spec is None else jax.sharding.reshard(lanes, spec)
+
+
+def _hash(k0, k1, x0, x1, shared: bool, data: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """threefry2x32 words, each computed once per block of four lanes.
+
+    The four lanes of a block read the same two words, and XLA, fusing the
+    written-out hash into the lanes' consumer, would compute it once per lane.
+    Dividing the words by a runtime 1 (exact) stops that: XLA does not fuse an
+    expensive op (a division) into a consumer that reads each element several
+    times, so the words are written once (2 bytes per element) and read by the
+    lanes. A ``shared`` mask (broadcast afterwards: ``broadcast_dims``,
+    attention's ``broadcast_dropout``) uses jax's threefry primitive, which XLA
+    never fuses on CPU (a loop over whole arrays, as for ``jax.random.bernoulli``),
+    so it is drawn once at its own shape, not for every element of the full array.
+    """
+    if shared:
+        shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in (k0, k1, x0, x1)))
+        words = [jnp.broadcast_to(a, shape) for a in (k0, k1, x0, x1)]
+        w0, w1 = jex_random.threefry2x32_p.bind(*words)
+        return w0, w1
+    w0, w1 = threefry2x32(k0, k1, x0, x1)
+    one = lax.div(data[0] | np.uint32(1), data[0] | np.uint32(1))  # 1, not a constant
+    return lax.div(w0, one), lax.div(w1, one)
+
+
+def _lanes(w0: jax.Array, w1: jax.Array, spec: jax.P | None) -> jax.Array:
+    """Four 16-bit lanes per hash output: shape ``w0.shape + (4,)``."""
     # The lane axis is innermost, so XLA reads each hash output once for its
     # four lanes and the reshape to the caller's shape is free (row-major).
+    # (Stacking four slices instead makes XLA recompute the hash per lane.)
     lane_spec = None if spec is None else jax.P(*spec, None)
-    lane = lax.broadcasted_iota(jnp.uint32, (*hi.shape, LANES), hi.ndim, out_sharding=lane_spec)
+    lane = lax.broadcasted_iota(jnp.uint32, (*w0.shape, LANES), w0.ndim, out_sharding=lane_spec)
     word = jnp.where(lane < 2, w0[..., None], w1[..., None])
-    return (word >> ((lane & 1) * LANE_BITS)) & (_LANE_VALUES - 1)
+    return (word >> ((lane & 1) * LANE_BITS)) & np.uint32(LANE_VALUES - 1)
 
 
 def counter_words(

@@ -36,6 +36,77 @@ def test_golden_lanes_pinned():
     np.testing.assert_array_equal(random.lanes16(jax.random.key(7), (2, 6)), GOLDEN_LANES_KEY7)
 
 
+# grid_lanes16(jax.random.key(7), (2, 2, 6)): [head, query, key position].
+GOLDEN_GRID_KEY7 = [
+    [[51068, 41774, 14425, 32037, 10792, 8140], [25523, 39857, 40596, 13740, 41169, 32195]],
+    [[47066, 19745, 14533, 57844, 21211, 24573], [49943, 8783, 54970, 743, 13552, 43235]],
+]
+
+
+def test_golden_grid_lanes_pinned():
+    np.testing.assert_array_equal(
+        random.grid_lanes16(jax.random.key(7), (2, 2, 6)), GOLDEN_GRID_KEY7
+    )
+
+
+def test_grid_layout_is_fold_in_per_leading_coordinate_then_row_and_block():
+    """Element (b, h, r, c): lane c % 4 of threefry2x32(fold_in(fold_in(key, b), h), (r, c // 4))."""
+    key = jax.random.key(3)
+    grid = np.asarray(random.grid_lanes16(key, (2, 3, 5, 7)))
+    for b, h, r in [(0, 0, 0), (1, 2, 4), (0, 1, 3)]:
+        sub = jax.random.fold_in(jax.random.fold_in(key, b), h)
+        counters = np.array([r, r, 0, 1], np.uint32)  # hi words, then lo words (blocks 0, 1)
+        out = np.asarray(jex_random.threefry_2x32(jax.random.key_data(sub), counters))
+        w0, w1 = out[:2], out[2:]
+        lanes = np.stack([w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16], axis=-1).reshape(-1)
+        np.testing.assert_array_equal(grid[b, h, r], lanes[:7])
+    # No leading axes: the key itself is used, row r, block c // 4.
+    out = np.asarray(
+        jex_random.threefry_2x32(jax.random.key_data(key), np.array([2, 0], np.uint32))
+    )
+    lanes = [out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16]
+    np.testing.assert_array_equal(random.grid_lanes16(key, (5, 7))[2, :4], lanes)
+
+
+@pytest.mark.parametrize(
+    ("small", "big"),
+    [((2, 5, 5), (2, 10, 10)), ((1, 3, 4, 6), (2, 4, 9, 13)), ((7, 3), (16, 16))],
+)
+def test_grid_bits_depend_on_coordinates_not_extents(small, big):
+    key = jax.random.key(13)
+    cut = tuple(slice(0, n) for n in small)
+    np.testing.assert_array_equal(
+        random.grid_lanes16(key, big)[cut], random.grid_lanes16(key, small)
+    )
+
+
+def test_grid_of_a_batch_row_is_the_grid_of_its_fold_in_key():
+    key = jax.random.key(17)
+    batched = random.grid_lanes16(key, (3, 2, 4, 8))
+    for b in range(3):
+        np.testing.assert_array_equal(
+            batched[b], random.grid_lanes16(jax.random.fold_in(key, b), (2, 4, 8))
+        )
+
+
+def test_grid_heads_and_rows_are_independent():
+    """Pair checks between heads, between rows and between keys of one grid.
+
+    Chi-square (3 dof) at 1e-7 each, three checks: false failure <= 3e-7.
+    """
+    rate = 0.5
+    mask = np.asarray(random.grid_lanes16(jax.random.key(600), (2, 512, 512)))
+    mask = mask < random.keep_threshold(rate)
+    p = random.keep_threshold(rate) / 2**16
+    pairs = [(mask[0], mask[1]), (mask[0, ::2], mask[0, 1::2]), (mask[1, :, ::2], mask[1, :, 1::2])]
+    for a, b in pairs:
+        statistic = _pair_statistic(a.ravel(), b.ravel(), p)
+        assert statistic < stats.chi2.isf(ALPHA, 3), statistic
+    kept = int(mask.sum())
+    low, high = stats.binom.interval(1 - ALPHA, mask.size, p)
+    assert low <= kept <= high
+
+
 def test_golden_mask_bits_pinned():
     mask = np.asarray(random.keep_mask(jax.random.key(42), (4, 8), 0.5))
     rows = [int("".join(str(int(b)) for b in row), 2) for row in mask]
@@ -89,11 +160,12 @@ def test_edge_shapes():
 
 
 def threefry_sizes(jaxpr) -> list[int]:
-    """Counter sizes of every threefry2x32 call in a jaxpr, nested jaxprs included."""
+    """Output sizes of every threefry2x32 hash in a jaxpr (unsplit's or jax's), nested included."""
     sizes = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "threefry2x32":
-            sizes.append(eqn.invars[2].aval.size)
+        if eqn.primitive.name == "threefry2x32" or eqn.params.get("name") == "threefry2x32":
+            sizes.append(eqn.outvars[0].aval.size)
+            continue
         for param in eqn.params.values():
             inner = getattr(param, "jaxpr", param)
             if hasattr(inner, "eqns"):
@@ -105,6 +177,18 @@ def test_one_hash_per_four_elements():
     """The speed design: threefry runs on size/4 counters (jax.random.bernoulli: size)."""
     jaxpr = jax.make_jaxpr(lambda k: random.keep_mask(k, (64, 128), 0.1))(jax.random.key(0))
     assert threefry_sizes(jaxpr.jaxpr) == [64 * 128 // 4]
+    # The grid layout: one hash per (batch, head) coordinate to fold it in, then one per 4.
+    grid = jax.make_jaxpr(lambda k: random.grid_lanes16(k, (2, 8, 64, 128)))(jax.random.key(0))
+    assert threefry_sizes(grid.jaxpr) == [2 * 8, 2 * 8, 2 * 8 * 64 * 128 // 4]
+
+
+def test_written_out_threefry_equals_jax():
+    words = np.random.default_rng(0).integers(0, 2**32, (4, 257), dtype=np.uint32)
+    words[:, :3] = [[0, 0, 2**32 - 1], [0, 1, 2**32 - 1], [0, 0, 2**32 - 1], [0, 7, 2**32 - 1]]
+    w0, w1 = random.threefry2x32(*words)
+    for i in range(words.shape[1]):
+        want = jex_random.threefry_2x32(words[:2, i], words[2:, i])
+        np.testing.assert_array_equal([w0[i], w1[i]], want)
 
 
 def test_keep_threshold_resolution():
@@ -113,6 +197,21 @@ def test_keep_threshold_resolution():
     assert random.keep_threshold(0.5) == 2**15
     for rate in np.linspace(0.0, 1.0, 1001):
         assert abs(random.keep_threshold(rate) / 2**16 - (1 - rate)) <= 2**-17
+    # Near rate 1 the threshold never rounds to 0 (which would drop everything and bias
+    # the expectation); near rate 0 it may round to 2**16 (keep all, scale 1: unbiased).
+    for rate in [1 - 2**-17, 1 - 1e-6, 1 - 1e-9]:
+        assert random.keep_threshold(rate) == 1
+    assert random.keep_threshold(1e-6) == 2**16
+
+
+def test_traced_threshold_equals_the_python_one():
+    rates = np.concatenate([np.linspace(0, 1, 257), [1e-6, 1 - 1e-6, 0.1, 0.3, 0.999]])
+    keep = (1 - rates).astype(np.float32)
+    got = np.asarray(jax.jit(random.keep_threshold_array)(keep))
+    want = [random.keep_threshold(1 - float(k)) for k in keep]
+    np.testing.assert_array_equal(got, want)
+    assert int(random.keep_threshold_array(jnp.float32(1.5))) == 2**16  # clipped
+    assert int(random.keep_threshold_array(jnp.float32(-0.5))) == 0
 
 
 def test_wide_multiply_matches_python_integers():

@@ -1,9 +1,14 @@
 """A small causal transformer from standard Flax layers, used by tests, demo and benchmarks.
 
 It is a plain ``flax.linen`` model: ``nn.MultiHeadDotProductAttention`` with
-attention dropout and ``nn.Dropout`` on the residual branches (swappable for
-``unsplit.linen.Dropout`` with ``dropout_cls``). It is applied to ONE example
-(``tokens`` of shape ``(L,)``); unsplit vmaps it over the batch.
+attention-weight dropout and dropout on the residual branches. By default both
+are unsplit's drop-ins (``dropout_cls=unsplit.linen.Dropout``,
+``attention_fn=unsplit.linen.dot_product_attention``), so an example's noise
+depends only on its key and token positions: padding it longer changes
+nothing on its real tokens. :func:`with_flax_dropout` gives the same model
+with Flax's own ``nn.Dropout`` and ``nn.dot_product_attention`` (the same
+parameters), for baselines. It is applied to ONE example (``tokens`` of shape
+``(L,)``); unsplit vmaps it over the batch.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from unsplit._src.attention import linen_dot_product_attention
+from unsplit._src.linen_dropout import Dropout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +38,11 @@ class TransformerConfig:
 
 
 class Block(nn.Module):
+    """Pre-norm causal self-attention and MLP, dropout on both residual branches."""
+
     config: TransformerConfig
-    dropout_cls: Any = nn.Dropout
+    dropout_cls: Any = Dropout
+    attention_fn: Any = linen_dot_product_attention
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
@@ -42,6 +53,7 @@ class Block(nn.Module):
             num_heads=c.heads,
             dropout_rate=c.attention_dropout,
             deterministic=not train,
+            attention_fn=self.attention_fn,
         )(h, h, mask=causal)
         x = x + self.dropout_cls(c.dropout, deterministic=not train)(h)
         h = nn.LayerNorm()(x)
@@ -56,11 +68,13 @@ class Transformer(nn.Module):
     """Causal language model over ``tokens: int[L]`` -> logits ``float[L, vocab]``.
 
     Leading batch axes (``int[B, L]``) work too, as the naive batch-level
-    baselines in tests and benchmarks need.
+    baselines in tests and benchmarks need. ``dropout_cls`` and ``attention_fn``
+    pick the residual and attention-weight dropout (unsplit's by default).
     """
 
     config: TransformerConfig
-    dropout_cls: Any = nn.Dropout
+    dropout_cls: Any = Dropout
+    attention_fn: Any = linen_dot_product_attention
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = True) -> jax.Array:
@@ -72,9 +86,21 @@ class Transformer(nn.Module):
         x = x + pos[:length].reshape((1,) * (x.ndim - 2) + (length, c.width))
         x = self.dropout_cls(c.dropout, deterministic=not train)(x)
         for _ in range(c.layers):
-            x = Block(c, self.dropout_cls)(x, train=train)
+            x = Block(c, self.dropout_cls, self.attention_fn)(x, train=train)
         x = nn.LayerNorm()(x)
         return nn.Dense(c.vocab)(x)
+
+
+def with_flax_dropout(model: Transformer) -> Transformer:
+    """``model`` with Flax's own ``nn.Dropout`` and ``nn.dot_product_attention`` (same params).
+
+    Example:
+        >>> from unsplit import models
+        >>> model = models.Transformer(models.TransformerConfig())
+        >>> models.with_flax_dropout(model).attention_fn.__module__
+        'flax.linen.attention'
+    """
+    return model.clone(dropout_cls=nn.Dropout, attention_fn=nn.dot_product_attention)
 
 
 def init_params(model: Transformer, seed: int = 0) -> Any:

@@ -1,0 +1,184 @@
+"""Attention with dropout: ``unsplit.linen.dot_product_attention`` vs Flax's.
+
+One table, every figure a ratio measured side by side in one run
+(``common.compare``: alternating rounds, median with min and max):
+
+* **attention-dropout**: ``unsplit.linen.dot_product_attention`` vs
+  ``flax.linen.dot_product_attention`` on ``q, k, v`` of shape
+  ``(B=16, L=256, heads=8, d=64)`` float32, dropout rate 0.1, both with
+  ``broadcast_dropout=False`` (one mask element per weight: the same work),
+  then both with Flax's default ``broadcast_dropout=True`` (one ``L x L`` mask
+  shared by batch and heads). *fwd* is the output, *fwd+bwd* the output and
+  the three input gradients from ``jax.vjp`` with a given cotangent, each one
+  jitted program; XLA's compiled temp memory of each. A third candidate,
+  Flax's attention **without** dropout, shows what the two matmuls and the
+  softmax cost on their own: no dropout implementation can go below it.
+  Goal: fwd+bwd <= 0.5x Flax's time and no more temp memory.
+
+Run: ``python benchmarks/attention_bench.py`` (``--quick`` for a smoke run
+that does not touch the docs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+
+import common
+import flax.linen as nn
+import jax
+from rich.console import Console
+from rich.table import Table
+
+from unsplit import linen as ulinen
+
+DOC = "benchmarks.md"
+MARKER = "attention-dropout"
+RATE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    batch: int
+    heads: int
+    length: int
+    depth: int
+    repeats: int
+    warmup: int
+
+
+FULL = Setup(batch=16, heads=8, length=256, depth=64, repeats=15, warmup=2)
+QUICK = Setup(batch=2, heads=2, length=32, depth=16, repeats=3, warmup=1)
+
+CANDIDATES = {
+    "flax": nn.dot_product_attention,
+    "unsplit": ulinen.dot_product_attention,
+}
+
+
+def attend(fn, broadcast: bool, dropout: bool = True):
+    def run(key, q, k, v):
+        if not dropout:
+            return nn.dot_product_attention(q, k, v, deterministic=True)
+        return fn(q, k, v, dropout_rng=key, dropout_rate=RATE, broadcast_dropout=broadcast)
+
+    return run
+
+
+def fwd_bwd(fn):
+    def run(key, q, k, v, ct):
+        y, vjp = jax.vjp(functools.partial(fn, key), q, k, v)
+        return y, vjp(ct)
+
+    return run
+
+
+def cpu_ratios(candidates: dict, baseline: str, repeats: int) -> dict[str, float]:
+    """Median per-round ratio of process CPU time (all threads) to the baseline's.
+
+    On a machine shared with other jobs, wall time also counts waiting for a
+    core; CPU time counts the work. Rounds alternate the order, as ``common.compare``.
+    """
+    names = list(candidates)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.process_time()
+            common.block(candidates[name]())
+            times[name].append(time.process_time() - start)
+    base = times[baseline]
+    return {
+        name: statistics.median(t / b for t, b in zip(times[name], base, strict=True))
+        for name in names
+    }
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def rows(setup: Setup) -> list[list[str]]:
+    shape = (setup.batch, setup.length, setup.heads, setup.depth)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, ct = (jax.random.normal(key, shape) for key in keys)
+    key = jax.random.key(1)
+    out = []
+    for broadcast in (False, True):
+        for mode, wrap, args in (
+            ("fwd", lambda f: f, (key, q, k, v)),
+            ("fwd+bwd", fwd_bwd, (key, q, k, v, ct)),
+        ):
+            fns = {name: wrap(attend(fn, broadcast)) for name, fn in CANDIDATES.items()}
+            if not broadcast:
+                fns["flax, no dropout"] = wrap(attend(None, broadcast, dropout=False))
+            progs = {name: jax.jit(fn) for name, fn in fns.items()}
+            calls = {name: (lambda p=p, a=args: p(*a)) for name, p in progs.items()}
+            results = common.compare(
+                calls, baseline="flax", repeats=setup.repeats, inner=1, warmup=setup.warmup
+            )
+            cpu = cpu_ratios(calls, "flax", setup.repeats)
+            temp = {name: common.compiled_temp_bytes(fn, *args) for name, fn in fns.items()}
+            for r in results:
+                if r.name == "flax":
+                    continue
+                out.append(
+                    [
+                        str(broadcast),
+                        mode,
+                        r.name,
+                        common.ratio_cell(r),
+                        f"{cpu[r.name]:.2f}x",
+                        f"{mib(temp[r.name])} vs {mib(temp['flax'])}",
+                        f"{r.median_s * 1e3:.1f} vs "
+                        f"{next(x for x in results if x.name == 'flax').median_s * 1e3:.1f} ms",
+                    ]
+                )
+    return out
+
+
+HEADER = [
+    "broadcast_dropout",
+    "pass",
+    "candidate",
+    "time / flax's (with dropout): median (min-max)",
+    "CPU time / flax's: median",
+    "temp memory: candidate vs flax",
+    "median times",
+]
+
+
+def render(table_rows: list[list[str]], setup: Setup) -> str:
+    return (
+        "### Attention dropout: unsplit.linen.dot_product_attention vs Flax's\n\n"
+        f"`q, k, v` of shape (B={setup.batch}, L={setup.length}, heads={setup.heads}, "
+        f"d={setup.depth}) float32, dropout rate {RATE}; {setup.repeats} alternating rounds. "
+        "Each ratio is the candidate's time over `flax.linen.dot_product_attention`'s "
+        "(with dropout, same `broadcast_dropout`) within each round. *fwd+bwd* is `jax.vjp` "
+        "returning the output and the gradients of q, k and v for a given cotangent, in one "
+        "jitted program. *flax, no dropout* is Flax's attention with `deterministic=True`: "
+        "the matmuls and softmax alone, the floor for any dropout. *CPU time* is the process's "
+        "CPU time (all threads) per call, ratio per round, median: on a machine shared with "
+        "other jobs wall time also counts waiting for a core. Memory: XLA compiled temp "
+        "bytes (goal: not more than Flax's).\n\n"
+        f"{common.markdown_table(HEADER, table_rows)}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = common.bench_parser(__doc__).parse_args(argv)
+    setup = QUICK if args.quick else FULL
+    table_rows = rows(setup)
+    table = Table(title="attention dropout: candidate / flax")
+    for h in HEADER:
+        table.add_column(h)
+    for row in table_rows:
+        table.add_row(*row)
+    Console(width=180).print(table)
+    if common.should_write(args):
+        print(f"wrote {common.write_table(DOC, MARKER, render(table_rows, setup))}")
+
+
+if __name__ == "__main__":
+    main()
