@@ -143,17 +143,21 @@ class _Compiled:
         self.owner = owner
         self.plan = plan
         mesh = owner.layout.mesh
-        self.pack = programs.pack_program(plan)
-        self.combine = programs.combine_program(plan)
+        self.shared = _shared(owner.spec)
+        self.pack = self._program(("pack", plan), lambda: programs.pack_program(plan))
+        self.combine = self._program(("combine", plan), lambda: programs.combine_program(plan))
         if owner.single:
             device = mesh.devices.flat[0]
             grad_shardings = [jax.sharding.SingleDeviceSharding(device)] * sum(plan.structure.diff)
             loss_sharding = jax.sharding.SingleDeviceSharding(device)
         else:
-            specs = [s for s, d in zip(plan.specs, plan.structure.diff, strict=True) if d]
+            specs = [s for s, d in zip(plan.given, plan.structure.diff, strict=True) if d]
             grad_shardings = [NamedSharding(mesh, s) for s in specs]
             loss_sharding = NamedSharding(mesh, P())
-        self.unpack = programs.unpack_program(plan, grad_shardings, loss_sharding)
+        self.unpack = self._program(
+            ("unpack", plan, owner.single),
+            lambda: programs.unpack_program(plan, grad_shardings, loss_sharding),
+        )
         me = jax.process_index()
         self.local_groups = [
             g
@@ -164,13 +168,18 @@ class _Compiled:
             g: programs.chunks_program(plan, owner.spec, g) for g in self.local_groups
         }
         self.executables: dict[int, Any] = {}
-        self.shared = _shared(owner.spec)
         gentry = programs._entry(plan.group_axes)
         self.slots_sharding = NamedSharding(
             plan.compute, P(programs._entry(owner.layout.batch_axes), None, gentry)
         )
         self.total_sharding = NamedSharding(mesh, P(gentry))
         self.same_mesh = plan.compute.devices.size == mesh.devices.size
+
+    def _program(self, key, build):
+        """A jitted data-movement program, shared like the chunk programs."""
+        if key not in self.shared:
+            self.shared[key] = build()
+        return self.shared[key]
 
     def run(self, params, batch, key, ids):
         plan = self.plan

@@ -65,7 +65,8 @@ class Plan:
 
     layout: Layout  # the user's mesh (a one-device mesh for mesh=None) and batch axes
     structure: sums.Params
-    specs: tuple[P, ...]  # each array leaf's PartitionSpec on the user's mesh
+    specs: tuple[P, ...]  # each array leaf's PartitionSpec on the user's mesh (full length)
+    given: tuple[P, ...]  # the same as the params had them (for the grads' shardings)
     group_axes: tuple[str, ...]  # the model axes params are sharded over
     compute: Mesh  # batch axes x group axes (unused axes at index 0)
     local_specs: tuple[P, ...]  # each leaf's spec inside its group (over group axes only)
@@ -118,6 +119,10 @@ def make_plan(
     structure, arrays = sums.Params.split(params)
     mesh = layout.mesh
     specs = tuple(_spec_on(a, mesh) for a in arrays)
+    given = tuple(
+        a.sharding.spec if isinstance(getattr(a, "sharding", None), NamedSharding) else P()
+        for a in arrays
+    )
     used = {n for s in specs for e in s if e is not None for n in _names(e)}
     group_axes = tuple(a for a in mesh.axis_names if a in used and a not in layout.batch_axes)
     for path, s in zip(structure.paths, specs, strict=True):
@@ -153,6 +158,7 @@ def make_plan(
         layout=layout,
         structure=structure,
         specs=specs,
+        given=given,
         group_axes=group_axes,
         compute=compute,
         local_specs=local_specs,

@@ -243,7 +243,7 @@ def unpack_program(plan: Plan, grad_shardings, loss_sharding):
         return loss, grads
 
     def unpack(vectors):  # the grads pytree (None for non-float leaves), built by jit
-        loss, grads = jax.jit(run, out_shardings=(loss_sharding, list(grad_shardings)))(vectors)
+        loss, grads = run(vectors)
         return loss, structure.grads_tree(grads)
 
-    return jax.jit(unpack)
+    return jax.jit(unpack, out_shardings=(loss_sharding, structure.grads_tree(grad_shardings)))

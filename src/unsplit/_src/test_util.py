@@ -53,8 +53,10 @@ def bits_equal(a: Any, b: Any) -> bool:
 def batch_level_loss(model: tf.Transformer):
     """Flax's usual loss over a (sub-)batch with ONE dropout key: (loss_sum, weight)."""
 
+    flax_model = tf.with_flax_dropout(model)  # the usual way: Flax's own dropout layers
+
     def loss(params, batch, key):
-        logits = model.apply({"params": params}, batch["inputs"], rngs={"dropout": key})
+        logits = flax_model.apply({"params": params}, batch["inputs"], rngs={"dropout": key})
         logp = jax.nn.log_softmax(logits.astype(jnp.float32))
         nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
         return jnp.sum(nll * batch["mask"]), jnp.sum(batch["mask"])
@@ -90,60 +92,88 @@ def weighted_loss():
     return tf.token_loss(problem()[0])
 
 
-def replicated(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Host values as arrays replicated on every device of ``mesh`` (any process count)."""
-    sharding = jax.sharding.NamedSharding(mesh, jax.P())
+def replicated(tree: Any, mesh: jax.sharding.Mesh, specs: Any = None) -> Any:
+    """Host values as arrays on ``mesh`` (any process count): replicated, or with ``specs``."""
+    if specs is None:
+        specs = jax.tree.map(lambda _: jax.P(), tree)
     return jax.tree.map(
-        lambda x: jax.make_array_from_callback(
-            np.shape(x), sharding, lambda idx, x=x: np.asarray(x)[idx]
+        lambda x, spec: jax.make_array_from_callback(
+            np.shape(x),
+            jax.sharding.NamedSharding(mesh, spec),
+            lambda idx, x=x: np.asarray(x)[idx],
         ),
         tree,
+        specs,
     )
 
 
-def train(steps: int, microbatches: int, devices: int | None, bitwise: bool, seed: int = 0):
-    """Adam on the tests' problem, step key ``fold_in(seed, step)``; returns host params.
+def train(
+    steps: int,
+    microbatches: int,
+    devices: int | None,
+    bitwise: bool,
+    seed: int = 0,
+    model_axis: int = 1,
+):
+    """Adam on the tests' problem through ``unsplit.bitwise_train_step``; returns host params.
 
-    ``devices=None`` runs without a mesh; otherwise over a mesh of the first
-    ``devices`` devices (all processes' devices in a multi-process run).
+    Step key ``fold_in(seed, step)``. ``devices=None`` runs without a mesh;
+    otherwise over a ``(data, model)`` mesh of the first ``devices`` devices (all
+    processes' devices in a multi-process run), params sharded over ``model``
+    (tensor parallel) when ``model_axis > 1``.
     """
     import optax
 
     from unsplit._src.distributed import global_batch
     from unsplit._src.step import value_and_grad
+    from unsplit._src.train_step import bitwise_train_step
 
     _, params, pool = problem(batch=256)
     batch_size = 64
-    mesh = None if devices is None else jax.make_mesh((devices,), ("data",))
+    mesh = None
+    if devices is not None:
+        mesh = jax.make_mesh((devices // model_axis, model_axis), ("data", "model"))
     step = value_and_grad(
         weighted_loss(), weighted=True, microbatches=microbatches, mesh=mesh, bitwise=bitwise
     )
     opt = optax.adam(1e-2)
     params = jax.tree.map(np.asarray, params)
     if mesh is not None:
-        params = replicated(params, mesh)
-    with jax.numpy_dtype_promotion("standard"):
+        specs = tensor_parallel_specs(params) if model_axis > 1 else None
+        params = replicated(params, mesh, specs)
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
         state = opt.init(params)
-
-    @jax.jit
-    def update(params, state, grads):
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
-            updates, state = opt.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-    rows = batch_size // jax.process_count()
-    for s in range(steps):
-        start = (s * batch_size) % 256
-        rows_now = jax.tree.map(lambda x, s=start: x[s : s + batch_size], pool)
-        if jax.process_count() > 1:
-            mine = jax.tree.map(lambda x: x[jax.process_index() * rows :][:rows], rows_now)
-            batch, _ = global_batch(mine, mesh)
-        else:
-            batch = rows_now
-        key = jax.random.fold_in(jax.random.key(seed), s)
-        _, grads = step(params, batch, key)
-        params, state = update(params, state, grads)
+        train_step = bitwise_train_step(step, opt)
+        rows = batch_size // jax.process_count()
+        for s in range(steps):
+            start = (s * batch_size) % 256
+            rows_now = jax.tree.map(lambda x, s=start: x[s : s + batch_size], pool)
+            if jax.process_count() > 1:
+                mine = jax.tree.map(lambda x: x[jax.process_index() * rows :][:rows], rows_now)
+                batch, _ = global_batch(mine, mesh)
+            else:
+                batch = rows_now
+            key = jax.random.fold_in(jax.random.key(seed), s)
+            _, params, state = train_step(params, state, batch, key)
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params)
+
+
+def tensor_parallel_specs(params: Any, axis: str = "model") -> Any:
+    """PartitionSpecs sharding every matrix's last dimension over ``axis`` (Megatron-like)."""
+    return jax.tree.map(
+        lambda x: jax.P(*([None] * (np.ndim(x) - 1)), axis) if np.ndim(x) >= 2 else jax.P(), params
+    )
+
+
+def fsdp_specs(params: Any, axis: str = "data", size: int = 2) -> Any:
+    """PartitionSpecs sharding each leaf's first dimension over ``axis`` where it divides."""
+
+    def spec(x):
+        if np.ndim(x) and np.shape(x)[0] % size == 0:
+            return jax.P(axis, *([None] * (np.ndim(x) - 1)))
+        return jax.P()
+
+    return jax.tree.map(spec, params)
 
 
 def to_hex(tree: Any) -> list[str]:

@@ -188,7 +188,7 @@ def flax_update(model, opt, scheme: str, shares: int = 8) -> Update:
             every one with ``split(key)[1]``, as T5X gives).
         shares: devices or microbatches.
     """
-    loss = batch_loss(model)
+    loss = batch_loss(tf.with_flax_dropout(model))  # the usual way: Flax's own layers
     grad = jax.value_and_grad(loss, has_aux=True)
 
     def sums_one_device(params, batch, key):
