@@ -16,10 +16,16 @@ KEY_SEED = 5
 # ---- worker functions: run inside each of the launched processes -------------------
 
 
-def worker_step(microbatches: int, bitwise: bool, skew_key: bool = False, in_jit: bool = False):
-    """One step over the 4 global devices; returns loss and grads as exact hex."""
+def worker_step(
+    microbatches: int, bitwise: bool, skew_key: bool = False, in_jit: bool = False, model: int = 1
+):
+    """One step over the 4 global devices; returns loss and grads as exact hex.
+
+    ``model=2``: a (data=2, model=2) mesh, params sharded over ``model`` (tensor
+    parallel inside each process).
+    """
     _, params, batch = testing.problem()
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    mesh = _mesh(jax.device_count(), model)
     rows = 64 // jax.process_count()
     mine = jax.tree.map(lambda x: x[jax.process_index() * rows :][:rows], batch)
     global_rows, ids = unsplit.global_batch(mine, mesh)
@@ -29,9 +35,17 @@ def worker_step(microbatches: int, bitwise: bool, skew_key: bool = False, in_jit
     )  # fmt: skip
     key = jax.random.key(KEY_SEED + (jax.process_index() if skew_key else 0))
     run = jax.jit(step) if in_jit else step
-    loss, grads = run(testing.replicated(params, mesh), global_rows, key, ids=ids)
-    host = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), (loss, grads))
+    specs = testing.tensor_parallel_specs(params) if model > 1 else None
+    loss, grads = run(testing.replicated(params, mesh, specs), global_rows, key, ids=ids)
+    host = jax.tree.map(testing.local_value, (loss, grads))
     return {"hex": testing.to_hex(host), "ids": np.asarray(ids.addressable_data(0)).tolist()}
+
+
+def _mesh(devices: int, model: int):
+    if model == 1:
+        return jax.make_mesh((devices,), ("data",))
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((devices // model, model), ("data", "model"), axis_types=auto)
 
 
 def worker_train(steps: int, microbatches: int):
@@ -93,6 +107,22 @@ def test_bitwise_two_processes_are_bit_identical_to_one_device():
         timeout_s=TIMEOUT,
     )
     ref = single_process(bitwise=True)
+    assert results[0]["hex"] == results[1]["hex"]
+    assert testing.bits_equal(from_hex(results[0]["hex"], ref), ref)
+
+
+def test_bitwise_tensor_parallel_two_processes_match_one_process():
+    # 2 processes x 2 devices, (data=2, model=2): the bits of one process at model=2.
+    results = launch.run_local_processes(
+        "unsplit._src.distributed_test:worker_step",
+        kwargs={"microbatches": 1, "bitwise": True, "model": 2},
+        timeout_s=TIMEOUT,
+    )
+    _, params, batch = testing.problem()
+    mesh = _mesh(2, 2)
+    step = unsplit.value_and_grad(testing.weighted_loss(), weighted=True, mesh=mesh, bitwise=True)
+    placed = testing.replicated(params, mesh, testing.tensor_parallel_specs(params))
+    ref = jax.tree.map(testing.local_value, step(placed, batch, jax.random.key(KEY_SEED)))
     assert results[0]["hex"] == results[1]["hex"]
     assert testing.bits_equal(from_hex(results[0]["hex"], ref), ref)
 

@@ -176,6 +176,14 @@ def fsdp_specs(params: Any, axis: str = "data", size: int = 2) -> Any:
     return jax.tree.map(spec, params)
 
 
+def local_value(x: jax.Array) -> np.ndarray:
+    """The whole value of ``x`` from this process's shards (which must cover it)."""
+    out = np.zeros(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
+
+
 def to_hex(tree: Any) -> list[str]:
     """Leaves as hex of their bytes: exact, JSON-friendly."""
     return [np.ascontiguousarray(np.asarray(x)).tobytes().hex() for x in jax.tree.leaves(tree)]
