@@ -227,11 +227,11 @@ def is_typed_key(key: Any) -> bool:
 
 
 def check_key(key: Any, what: str = "key") -> None:
-    """Raises a clear error unless ``key`` is a single threefry PRNG key."""
-    _key_words(key, what)
+    """Raises a clear error unless ``key`` is a single threefry PRNG key (no device work)."""
+    _key_words(key, what, data=False)
 
 
-def _key_words(key: Any, what: str = "key") -> tuple[jax.Array, Any]:
+def _key_words(key: Any, what: str = "key", data: bool = True) -> tuple[jax.Array, Any]:
     """Returns (uint32[2] key data, impl or None for a legacy key), validated."""
     if is_typed_key(key):
         impl = jax.random.key_impl(key)
@@ -249,7 +249,7 @@ def _key_words(key: Any, what: str = "key") -> tuple[jax.Array, Any]:
                 f"{key.shape}. Fix: pass the step key itself (e.g. "
                 "jax.random.fold_in(seed_key, step)); unsplit derives the per-example keys."
             )
-        return jax.random.key_data(key), impl
+        return (jax.random.key_data(key) if data else None), impl
     dtype = getattr(key, "dtype", None)
     shape = getattr(key, "shape", None)
     if dtype == jnp.uint32 and tuple(shape) == (2,):
@@ -259,7 +259,7 @@ def _key_words(key: Any, what: str = "key") -> tuple[jax.Array, Any]:
                 f"implementation {jax.config.jax_default_prng_impl!r}, not {_THREEFRY!r}. "
                 "Fix: pass a typed key made by jax.random.key(seed, impl='threefry2x32')."
             )
-        return jnp.asarray(key), None
+        return (jnp.asarray(key) if data else None), None
     raise TypeError(
         f"{what} must be a PRNG key made by jax.random.key(seed); got "
         f"{type(key).__name__} with dtype={dtype} and shape={shape}. "
