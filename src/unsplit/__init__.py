@@ -13,6 +13,8 @@ from unsplit import nnx as nnx
 from unsplit import testing as testing
 from unsplit._src.audit import audit as audit
 from unsplit._src.audit import audit_step as audit_step
+from unsplit._src.agreement import AgreementError as AgreementError
+from unsplit._src.audit_finding import AuditError as AuditError
 from unsplit._src.audit_finding import Finding as Finding
 from unsplit._src.distributed import global_batch as global_batch
 from unsplit._src.dropout import dropout as dropout
@@ -27,6 +29,8 @@ from unsplit._src.train_step import bitwise_train_step as bitwise_train_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgreementError",
+    "AuditError",
     "DroppedStateError",
     "Finding",
     "Ids64",

@@ -216,9 +216,9 @@ class _Compiled:
         totals = self.combine(*slots)
         if not self.same_mesh:
             totals = jax.device_put(totals, self.total_sharding)
-        loss, grads = self.unpack(totals)
+        loss, grads, weight = self.unpack(totals)
         aux = self._aux(outputs) if self.owner.spec.has_aux else None
-        return loss, grads, aux
+        return loss, grads, aux, weight
 
     def _compile(self, args) -> None:
         """Traces here (the caller's JAX settings apply), compiles every group in parallel."""

@@ -237,13 +237,10 @@ def unpack_program(plan: Plan, grad_shardings, loss_sharding):
         check_vma=False,
     )
 
-    def run(vectors):
+    def unpack(vectors):  # the grads pytree (None for non-float leaves), built by jit
         loss_sum, weight, grads = split(*vectors)
         loss, grads = sums.normalize(loss_sum, weight, list(grads), dtypes)
-        return loss, grads
+        return loss, structure.grads_tree(grads), weight
 
-    def unpack(vectors):  # the grads pytree (None for non-float leaves), built by jit
-        loss, grads = run(vectors)
-        return loss, structure.grads_tree(grads)
-
-    return jax.jit(unpack, out_shardings=(loss_sharding, structure.grads_tree(grad_shardings)))
+    shardings = (loss_sharding, structure.grads_tree(grad_shardings), loss_sharding)
+    return jax.jit(unpack, out_shardings=shardings)

@@ -40,8 +40,8 @@ class DefaultStep:
 
     def __call__(self, params, batch, key, ids):
         structure, program, args = self._prepare(params, batch, key, ids)
-        loss, grads, aux = program(*args)
-        return loss, structure.grads_tree(grads), aux
+        loss, grads, aux, weight = program(*args)
+        return loss, structure.grads_tree(grads), aux, weight
 
     def lower(self, params, batch, key, ids) -> jax.stages.Lowered:
         """The program this call would run, lowered (``.compile().memory_analysis()``...)."""
@@ -86,7 +86,8 @@ class DefaultStep:
         mesh = layout.mesh
         diff = [s for s, d in zip(shardings, structure.diff, strict=True) if d]
         grads = [NamedSharding(mesh, s) for s in diff]
-        out = (NamedSharding(mesh, P()), grads, NamedSharding(mesh, P(layout.batch_entry)))
+        replicated = NamedSharding(mesh, P())
+        out = (replicated, grads, NamedSharding(mesh, P(layout.batch_entry)), replicated)
         return jax.jit(run, out_shardings=out)
 
     def _agreeing(self, run, structure: sums.Params):
@@ -159,7 +160,7 @@ class DefaultStep:
             dtypes = [jnp.result_type(a) for a in structure.diff_of(arrays)]
             loss, grads = sums.normalize(loss_sum, weight, grad_sums, dtypes)
             aux = jax.tree.map(lambda x: layout.constrain(x, P(layout.batch_entry)), aux)
-            return loss, constrain_grads(grads), aux
+            return loss, constrain_grads(grads), aux, weight
 
         def run(arrays, batch, key, ids):
             diff = structure.diff_of(arrays)
@@ -178,7 +179,7 @@ class DefaultStep:
                 # unsplit's business, so the user's loss (written for one example) never
                 # sees them, and XLA partitions the batch (and FSDP params) itself.
                 # Explicit model axes stay Explicit, as in the user's own code.
-                out_sharding = (P(), [s or P() for s in grad_specs], P(layout.batch_entry))
+                out_sharding = (P(), [s or P() for s in grad_specs], P(layout.batch_entry), P())
                 program = jax.sharding.auto_axes(
                     lambda *a: core(*a, grad_specs),
                     axes=layout.batch_axes,

@@ -200,10 +200,10 @@ def move_onto(tree: Any, layout: Layout, spec_of, what: str, warned: set) -> Any
         if what not in warned:
             warned.add(what)
             warnings.warn(
-                f"{name} is not placed on the step's mesh (it has {x.sharding}); unsplit "
-                f"moves it onto the mesh ({target.spec}) on every call. Fix: place it on the "
-                "mesh once, e.g. jax.device_put(tree, NamedSharding(mesh, spec)), before the "
-                "training loop.",
+                f"{name} is not placed on the step's mesh or device (it has {x.sharding}); "
+                f"unsplit moves it there ({target}) on every call. Fix: place it once, before "
+                "the training loop, e.g. jax.device_put(tree, NamedSharding(mesh, spec)) "
+                "(with mesh=None: jax.device_put(tree, jax.devices()[0])).",
                 stacklevel=4,
             )
         return jax.device_put(x, target)

@@ -33,6 +33,7 @@ def value_and_grad(
     bitwise: bool = False,
     chunk_size: int | None = None,
     audit: bool = False,
+    checked: bool = False,
 ) -> Step:
     """Makes a schedule-invariant ``(loss, grads)`` step from a one-example loss.
 
@@ -102,6 +103,7 @@ def value_and_grad(
         bitwise=bitwise,
         chunk_size=chunk_size,
         audit=audit,
+        checked=checked,
     )
 
 
@@ -125,6 +127,7 @@ class Step:
         bitwise: bool = False,
         chunk_size: int | None = None,
         audit: bool = False,
+        checked: bool = False,
     ):
         validate.check_callable(loss_fn)
         validate.check_microbatches(microbatches)
@@ -139,6 +142,7 @@ class Step:
         self.bitwise = validate.check_flag("bitwise", bitwise)
         self.chunk_size = chunk_size
         self.audit = validate.check_flag("audit", audit)
+        self.checked = validate.check_flag("checked", checked)
         self._agreed = False  # several processes: agreed on the first call
         self._audited = False
         if self.bitwise:
@@ -223,6 +227,8 @@ class Step:
         # make it refuse (its own check is that each device's share is whole chunks).
         microbatches = 1 if self.bitwise else self.microbatches
         validate.check_schedule(batch_size, self.num_devices, microbatches, self.batch_axes)
+        if self.mesh is None:
+            validate.check_single_device_batch(batch)
         keys_lib.check_key(key)
         return validate.ids_words(ids, batch_size)
 
@@ -257,9 +263,11 @@ class Step:
         ids = self._checked(params, batch, key, ids)
         self._audit_once(params, batch, key)
         try:
-            loss, grads, aux = self._impl(params, batch, key, ids)
+            loss, grads, aux, weight = self._impl(params, batch, key, ids)
         except jax.errors.JaxRuntimeError as e:
             raise _with_memory_hint(e, self) from e
+        if self.checked:
+            validate.check_result(loss, weight)
         if self.has_aux:
             return (loss, aux), grads
         return loss, grads

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import optax
 
+from unsplit._src import validate
 from unsplit._src.step import Step
 
 
@@ -102,7 +103,9 @@ class _BitwiseTrain:
         if params is not self._returned or self._state is None or self._state[0] != signature:
             state, params = step._impl.prepare(params, batch, key)
             self._state = (signature, state)
-        loss, grads, aux = self._state[1].run(params, batch, key, ids)
+        loss, grads, aux, weight = self._state[1].run(params, batch, key, ids)
+        if step.checked:
+            validate.check_result(loss, weight)
         params, opt_state = self.update(params, opt_state, grads)
         self._returned = params
         out = (loss, aux) if step.has_aux else loss

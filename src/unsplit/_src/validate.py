@@ -118,6 +118,24 @@ def batch_size(batch: Any) -> int:
     return size
 
 
+def check_single_device_batch(batch: Any) -> None:
+    """With ``mesh=None`` the step runs on one device: a batch sharded over several is refused."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(batch)
+    for path, leaf in flat:
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            devices = leaf.sharding.device_set
+            if len(devices) > 1:
+                mesh = getattr(leaf.sharding, "mesh", None)
+                shape = dict(mesh.shape) if mesh is not None else f"{len(devices)} devices"
+                raise ValueError(
+                    f"batch leaf {jax.tree_util.keystr(path) or 'batch'} is sharded over "
+                    f"{len(devices)} devices (mesh {shape}), but the step was built with "
+                    "mesh=None, which runs on one device. Fix: build the step on that mesh, "
+                    "unsplit.value_and_grad(..., mesh=mesh), or put the batch on one device "
+                    "(jax.device_put(batch, jax.devices()[0]))."
+                )
+
+
 def check_schedule(batch: int, devices: int, microbatches: int, batch_axes: tuple) -> None:
     if batch_axes and batch % devices:
         axes = batch_axes[0] if len(batch_axes) == 1 else batch_axes
@@ -199,6 +217,37 @@ def loss_output(out: Any, weighted: bool) -> tuple[jax.Array, jax.Array]:
         )
     loss = _scalar(out, "loss_fn's output")
     return _float32(loss), jnp.ones((), jnp.float32)
+
+
+def check_result(loss: jax.Array, weight: jax.Array) -> None:
+    """``checked=True``: raise, with the cause and the fix, instead of returning nan."""
+    if isinstance(loss, jax.core.Tracer):
+        from unsplit._src import fingerprint  # inside the caller's jit: on device
+
+        ok = jnp.isfinite(loss)
+        fingerprint.raise_unless(ok, _bad_result_message(None, None))
+        return
+    value, total = float(np.asarray(loss)), float(np.asarray(weight))
+    if not np.isfinite(value):
+        raise FloatingPointError(_bad_result_message(value, total))
+
+
+def _bad_result_message(value: float | None, total: float | None) -> str:
+    if total is not None and not (np.isfinite(total) and total > 0):
+        return (
+            f"the total weight of the global batch is {total} (expected a positive finite "
+            "number: the sum of the examples' weights), so the step loss sum(loss_sum) / "
+            "sum(weight) is undefined and the loss and grads are nan. Fix: make sure at least "
+            "one example has a positive weight (e.g. a non-empty token mask), skip such "
+            "batches, and keep weights finite and non-negative."
+        )
+    return (
+        f"the step loss is {value if value is not None else 'not finite'} although the total "
+        f"weight{' ' + str(total) if total is not None else ''} is fine: loss_fn itself "
+        "returned inf or nan for some example (log of 0, overflow, a nan input). Fix: find "
+        "it with jax.config.update('jax_debug_nans', True) on one device, or "
+        "unsplit.audit; clip or mask the offending values."
+    )
 
 
 def _scalar(x: Any, what: str, floating: bool = True) -> jax.Array:
