@@ -11,9 +11,9 @@ from unsplit import linen as linen
 from unsplit import models as models
 from unsplit import nnx as nnx
 from unsplit import testing as testing
+from unsplit._src.agreement import AgreementError as AgreementError
 from unsplit._src.audit import audit as audit
 from unsplit._src.audit import audit_step as audit_step
-from unsplit._src.agreement import AgreementError as AgreementError
 from unsplit._src.audit_finding import AuditError as AuditError
 from unsplit._src.audit_finding import Finding as Finding
 from unsplit._src.distributed import global_batch as global_batch
