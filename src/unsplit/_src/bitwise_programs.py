@@ -112,6 +112,14 @@ def chunks_program(plan: Plan, spec: sums.LossSpec, group: int):
 
     def run(vectors, batch, hi, lo, key, start, count):
         arrays = unpack(vectors)
+        rows = count_rows(batch)
+        if rows == c:
+            # One chunk per group: the chunk would be the whole (loop-invariant) input, and
+            # XLA would compile its computation differently from a sliced chunk (measured:
+            # other bits). A padded copy keeps it a slice at a run-time offset.
+            batch, hi, lo = jax.tree.map(
+                lambda x: jnp.concatenate([x, jnp.zeros_like(x)]), (batch, hi, lo)
+            )
 
         def chunk_sums(i):
             chunk = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * c, c), batch)
@@ -131,7 +139,7 @@ def chunks_program(plan: Plan, spec: sums.LossSpec, group: int):
             jnp.zeros((slots,), jnp.int32),  # and size
             jnp.int32(0),  # slots in use
             jax.tree.map(
-                lambda a: jnp.zeros((count_rows(batch), *a.shape[1:]), a.dtype), aux_shape
+                lambda a: jnp.zeros((rows, *a.shape[1:]), a.dtype), aux_shape
             ),
         )
 

@@ -127,9 +127,18 @@ def test_integer_loss():
         step(W, X, KEY)
 
 
-def test_zero_total_weight():
-    step = unsplit.value_and_grad(lambda w, x, k: (jnp.sum(x * w), 0.0 * jnp.sum(x)), weighted=True)
-    with pytest.raises(ValueError, match=r"total weight of the global batch is 0"):
+def zero_weight_loss(w, x, k):
+    return jnp.sum(x * w), 0.0 * jnp.sum(x)
+
+
+def test_zero_total_weight_gives_nan_on_device():
+    loss, grads = unsplit.value_and_grad(zero_weight_loss, weighted=True)(W, X, KEY)
+    assert np.isnan(loss) and np.all(np.isnan(grads))
+
+
+def test_zero_total_weight_checked_raises_with_the_cause():
+    step = unsplit.value_and_grad(zero_weight_loss, weighted=True, checked=True)
+    with pytest.raises(FloatingPointError, match=r"total weight of the global batch is 0"):
         step(W, X, KEY)
 
 
