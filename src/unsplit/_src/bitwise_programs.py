@@ -138,9 +138,7 @@ def chunks_program(plan: Plan, spec: sums.LossSpec, group: int):
             jnp.zeros((slots,), jnp.int32),  # each slot's block: first chunk
             jnp.zeros((slots,), jnp.int32),  # and size
             jnp.int32(0),  # slots in use
-            jax.tree.map(
-                lambda a: jnp.zeros((rows, *a.shape[1:]), a.dtype), aux_shape
-            ),
+            jax.tree.map(lambda a: jnp.zeros((rows, *a.shape[1:]), a.dtype), aux_shape),
         )
 
         def body(i, state):
