@@ -6,6 +6,8 @@ every reduction order, so a step gives the same loss and gradients on 1 device,
 on N devices, or as k gradient-accumulation microbatches.
 """
 
+from unsplit import checkpoint as checkpoint
+from unsplit import data as data
 from unsplit import linen as linen
 from unsplit import models as models
 from unsplit import nnx as nnx
@@ -23,6 +25,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Ids64",
     "Step",
+    "checkpoint",
+    "data",
     "dropout",
     "example_keys",
     "global_batch",
