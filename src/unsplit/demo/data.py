@@ -126,8 +126,53 @@ class Dataset:
         b, n = self.batch_size, self.length
         starts = rng.integers(0, self.tokens.size - n - 1, size=b)
         lengths = rng.integers(n // 4, n + 1, size=b)
-        windows = self.tokens[starts[:, None] + np.arange(n + 1)[None, :]]
-        mask = np.arange(n)[None, :] < lengths[:, None]
-        inputs = np.where(mask, windows[:, :-1], PAD).astype(np.int32)
-        targets = np.where(mask, windows[:, 1:], PAD).astype(np.int32)
-        return {"inputs": inputs, "targets": targets, "mask": mask.astype(np.float32)}
+        return examples(self.tokens, starts, lengths, n)
+
+
+class Windows:
+    """The text as a random-access source of ragged records, for grain and ``global_steps``.
+
+    Record ``r`` is the window of ``length + 1`` characters starting at
+    ``r * length`` (the windows tile the text) with its own length ``n_r``,
+    uniform in ``[length // 4, length]`` and fixed per record; the rest is
+    padding with mask 0. It has ``__len__`` and ``__getitem__``, so
+    ``unsplit.data.global_steps(Windows(32), ...)`` defines the records of every
+    global step, and each process reads only its own.
+
+    Example:
+        >>> from unsplit.demo import data as demo_data
+        >>> source = demo_data.Windows(length=16)
+        >>> record = source[3]
+        >>> len(source) > 1000, sorted(record), record["inputs"].shape
+        (True, ['inputs', 'mask', 'targets'], (16,))
+    """
+
+    def __init__(self, length: int):
+        if length < 4:
+            raise ValueError(f"the demo data needs length >= 4; got length={length}.")
+        self.tokens = encode(corpus_text())
+        self.length = int(length)
+
+    def __len__(self) -> int:
+        return (self.tokens.size - 1) // self.length
+
+    def __getitem__(self, record: int) -> dict[str, np.ndarray]:
+        record = int(record)
+        if not 0 <= record < len(self):
+            raise IndexError(f"record {record} is not in [0, {len(self)}).")
+        n = self.length
+        length = np.random.default_rng((_LENGTH_SEED, record)).integers(n // 4, n + 1)
+        one = examples(self.tokens, np.array([record * n]), np.array([length]), n)
+        return {k: v[0] for k, v in one.items()}
+
+
+_LENGTH_SEED = 1
+
+
+def examples(tokens, starts, lengths, n: int) -> dict[str, np.ndarray]:
+    """Windows at ``starts`` keeping their first ``lengths`` tokens: inputs, targets, mask."""
+    windows = tokens[starts[:, None] + np.arange(n + 1)[None, :]]
+    mask = np.arange(n)[None, :] < lengths[:, None]
+    inputs = np.where(mask, windows[:, :-1], PAD).astype(np.int32)
+    targets = np.where(mask, windows[:, 1:], PAD).astype(np.int32)
+    return {"inputs": inputs, "targets": targets, "mask": mask.astype(np.float32)}
