@@ -52,36 +52,82 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run = p.add_argument_group("run and schedule")
-    run.add_argument("--steps", type=int, required=True, metavar="N",
-                     help="the run's total number of global steps (a resumed run ends at N too)")
-    run.add_argument("--devices", type=int, default=1, metavar="D",
-                     help="devices per process (simulated CPU devices on a CPU); default 1")
-    run.add_argument("--processes", type=int, default=1, metavar="P",
-                     help="start P local processes (jax.distributed over gloo on 127.0.0.1) "
-                     "with D devices each; default 1")
-    run.add_argument("--microbatches", type=int, default=1, metavar="K",
-                     help="gradient-accumulation microbatches per device; default 1")
-    run.add_argument("--bitwise", action="store_true",
-                     help="bit-identical results for every schedule (unsplit's bitwise mode)")
+    run.add_argument(
+        "--steps",
+        type=int,
+        required=True,
+        metavar="N",
+        help="the run's total number of global steps (a resumed run ends at N too)",
+    )
+    run.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        metavar="D",
+        help="devices per process (simulated CPU devices on a CPU); default 1",
+    )
+    run.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="start P local processes (jax.distributed over gloo on 127.0.0.1) "
+        "with D devices each; default 1",
+    )
+    run.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        metavar="K",
+        help="gradient-accumulation microbatches per device; default 1",
+    )
+    run.add_argument(
+        "--bitwise",
+        action="store_true",
+        help="bit-identical results for every schedule (unsplit's bitwise mode)",
+    )
     ckpt = p.add_argument_group("checkpoints")
     ckpt.add_argument("--ckpt-dir", metavar="DIR", help="where checkpoints go (none if omitted)")
-    ckpt.add_argument("--save-every", type=int, default=100, metavar="S",
-                      help="save after every S-th global step and after the last; default 100")
-    ckpt.add_argument("--resume", action="store_true",
-                      help="continue from the newest complete checkpoint in DIR (a fresh start "
-                      "if there is none)")
-    ckpt.add_argument("--params-out", metavar="FILE.npz",
-                      help="write the final params, one array per parameter keyed by its tree "
-                      "path (jax.tree_util.keystr)")
+    ckpt.add_argument(
+        "--save-every",
+        type=int,
+        default=100,
+        metavar="S",
+        help="save after every S-th global step and after the last; default 100",
+    )
+    ckpt.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in DIR (a fresh start if there is none)",
+    )
+    ckpt.add_argument(
+        "--params-out",
+        metavar="FILE.npz",
+        help="write the final params, one array per parameter keyed by its tree "
+        "path (jax.tree_util.keystr)",
+    )
     model = p.add_argument_group("model, data and optimizer (fixed for a run)")
-    model.add_argument("--global-batch", type=int, default=16, metavar="B",
-                       help="examples per global step; default 16")
-    model.add_argument("--seed", type=int, default=0,
-                       help="data order, initial params and every step's noise; default 0")
-    model.add_argument("--chunk-size", type=int, metavar="C",
-                       help="bitwise mode's unit of work in examples; default 1, so the run can "
-                       "resume on any schedule. A larger C is faster, but then every schedule's "
-                       "share per microbatch, B / (D x P x K), must be a multiple of C")
+    model.add_argument(
+        "--global-batch",
+        type=int,
+        default=16,
+        metavar="B",
+        help="examples per global step; default 16",
+    )
+    model.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="data order, initial params and every step's noise; default 0",
+    )
+    model.add_argument(
+        "--chunk-size",
+        type=int,
+        metavar="C",
+        help="bitwise mode's unit of work in examples; default 1, so the run can "
+        "resume on any schedule. A larger C is faster, but then every schedule's "
+        "share per microbatch, B / (D x P x K), must be a multiple of C",
+    )
     model.add_argument("--length", type=int, default=32, help="characters per example; default 32")
     model.add_argument("--width", type=int, default=64, help="model width; default 64")
     model.add_argument("--layers", type=int, default=2, help="transformer blocks; default 2")
@@ -89,11 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dropout", type=float, default=0.1, help="dropout rate; default 0.1")
     model.add_argument("--learning-rate", type=float, default=3e-3, help="Adam; default 3e-3")
     out = p.add_argument_group("output and testing")
-    out.add_argument("--no-progress", action="store_true",
-                     help="plain log lines instead of a progress bar")
-    out.add_argument("--kill-after-step", type=int, metavar="N",
-                     help="simulate a preemption: once global step N is done (and any save in "
-                     "flight has finished), process 0 sends itself SIGKILL")
+    out.add_argument(
+        "--no-progress", action="store_true", help="plain log lines instead of a progress bar"
+    )
+    out.add_argument(
+        "--kill-after-step",
+        type=int,
+        metavar="N",
+        help="simulate a preemption: once global step N is done (and any save in "
+        "flight has finished), process 0 sends itself SIGKILL",
+    )
     multi = p.add_argument_group("one process of a multi-process run (set by --processes)")
     multi.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     multi.add_argument("--coordinator", metavar="HOST:PORT", help=argparse.SUPPRESS)
@@ -125,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         return launch_local(args, argv)
     flags = os.environ.get("XLA_FLAGS", "").split()
     flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={args.devices}"])
+    os.environ["XLA_FLAGS"] = " ".join(
+        [*flags, f"--xla_force_host_platform_device_count={args.devices}"]
+    )
     if args.process_id is not None:
         watch_parent()
         import jax
@@ -243,8 +296,14 @@ class Reporter:
     def start(self, first: int, total: int) -> None:
         if not self.lead or self.plain:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-        from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.bar = Progress(
             TextColumn("training"), BarColumn(), MofNCompleteColumn(),
@@ -281,7 +340,9 @@ def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
             log = None if i == 0 else tempfile.TemporaryFile("w+")  # noqa: SIM115
             cmd = [sys.executable, os.path.abspath(__file__), *argv,
                    "--process-id", str(i), "--coordinator", address]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None))
+            procs.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
+            )
             logs.append(log)
         while True:
             codes = [p.poll() for p in procs]

@@ -160,12 +160,12 @@ def setup(config: ElasticConfig, mesh: jax.sharding.Mesh, source: Any = None) ->
 def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     """Host values as arrays replicated on every device of ``mesh`` (any process count)."""
     sharding = NamedSharding(mesh, P())
-    return jax.tree.map(
-        lambda x: jax.make_array_from_callback(
-            np.shape(x), sharding, lambda index, x=np.asarray(x): x[index]
-        ),
-        tree,
-    )
+
+    def one(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(one, tree)
 
 
 def train_step(step: unsplit.Step, optimizer: optax.GradientTransformation):
