@@ -22,6 +22,7 @@ the parameters of an uninterrupted one; see docs/elastic.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -218,7 +219,7 @@ def train(args: argparse.Namespace) -> int:
     run = elastic.setup(config, mesh)
     lead = jax.process_index() == 0
     say = Reporter(args, lead)
-    topology = {"processes": jax.process_count(), "devices": mesh.size,
+    topology = {"processes": jax.process_count(), "devices": args.devices,
                 "microbatches": args.microbatches}  # fmt: skip
     ckpt = None
     params, opt_state, start = run.params, run.opt_state, 0
@@ -274,7 +275,10 @@ def train(args: argparse.Namespace) -> int:
 
 
 def describe(t: dict) -> str:
-    return f"{t['processes']} process(es) x {t['devices']} device(s) x {t['microbatches']} microbatch(es)"
+    """E.g. ``2 processes x 2 devices x 1 microbatch`` (devices per process)."""
+    parts = [(t["processes"], "process", "processes"), (t["devices"], "device", "devices"),
+             (t["microbatches"], "microbatch", "microbatches")]  # fmt: skip
+    return " x ".join(f"{n} {one if n == 1 else many}" for n, one, many in parts)
 
 
 class Reporter:
@@ -349,12 +353,17 @@ def launch_local(args: argparse.Namespace, argv: list[str]) -> int:
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i = failed[0]
-                print(f"train_lm.py: process {i} exited with code {codes[i]}; stopping the others",
-                      file=sys.stderr)  # fmt: skip
-                if logs[i] is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    procs[0].wait(timeout=5)  # process 0 prints its own error: a moment for it
+                if procs[0].returncode in (None, 0):
+                    print(f"train_lm.py: process {i} exited with code {codes[i]}; stopping the "
+                          "others. Its output:", file=sys.stderr)  # fmt: skip
                     logs[i].seek(0)
                     print(logs[i].read()[-3000:], file=sys.stderr)
-                return codes[i] if codes[i] > 0 else 128 - codes[i]
+                else:
+                    i = 0
+                code = procs[i].returncode
+                return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.05)

@@ -165,7 +165,9 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-    return jax.tree.map(one, tree)
+    # Through a jit, so the arrays carry the mesh in their type exactly as the optimizer
+    # update's outputs do; otherwise the step's programs compile again at the second step.
+    return jax.jit(lambda t: t, out_shardings=sharding)(jax.tree.map(one, tree))
 
 
 def train_step(step: unsplit.Step, optimizer: optax.GradientTransformation):
