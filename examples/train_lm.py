@@ -287,7 +287,7 @@ class Reporter:
     def __init__(self, args: argparse.Namespace, lead: bool):
         self.lead, self.bar, self.task = lead, None, None
         self.plain = args.no_progress or not sys.stdout.isatty()
-        self.last = self.t0 = time.perf_counter()
+        self.last, self.first = time.perf_counter(), None
 
     def line(self, text: str) -> None:
         if not self.lead:
@@ -319,7 +319,11 @@ class Reporter:
 
     def step(self, done: int, loss: float, tokens: int) -> None:
         now = time.perf_counter()
-        rate, self.last = tokens / max(now - self.last, 1e-9), now
+        if self.first is None:  # the first step compiles: measure from its end
+            self.first = (done, now)
+            rate = tokens / max(now - self.last, 1e-9)
+        else:
+            rate = tokens * (done - self.first[0]) / max(now - self.first[1], 1e-9)
         if not self.lead:
             return
         if self.bar is not None:
