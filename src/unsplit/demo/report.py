@@ -269,9 +269,9 @@ def header(config: demo_config.DemoConfig, processes: bool) -> str:
     """What is about to happen and how long it takes."""
     runs = (11 if processes else 8) + 4  # with processes: 2 two-process rows and the elastic row
     if config == demo_config.DemoConfig():
-        typical = "about 2.5 minutes on an idle 2-core CPU, up to twice that on a busy one"
+        typical = "about 3 minutes on an idle 2-core CPU, up to twice that on a busy one"
     elif config == demo_config.make(quick=True):
-        typical = "under a minute on an idle 2-core CPU"
+        typical = "about a minute on an idle 2-core CPU"
     else:
         typical = "it depends on the settings"
     return (
