@@ -35,11 +35,7 @@ EPILOG = """\
 what may change between a save and --resume: --devices, --processes, --microbatches.
 what may not (checked on resume, with an error naming it): --seed, --global-batch,
 --chunk-size, --bitwise, the model and optimizer flags, and in bitwise mode the JAX version.
-
-examples:
-  python examples/train_lm.py --steps 200 --devices 8 --ckpt-dir /tmp/run --save-every 20
-  python examples/train_lm.py --steps 200 --devices 2 --processes 2 --ckpt-dir /tmp/run \\
-      --save-every 20 --resume --params-out params.npz
+A walkthrough with the real output: docs/elastic.md.
 """
 
 
@@ -193,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         return train(args)
+    except KeyboardInterrupt:
+        print("train_lm.py: interrupted; continue with the same command and --resume.",
+              file=sys.stderr)  # fmt: skip
+        return 130
     except Exception as e:  # the settings check and friends: their message is the point
         from unsplit.checkpoint import SettingsMismatch
 
