@@ -42,9 +42,9 @@ A walkthrough with the real output: docs/elastic.md.
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python examples/train_lm.py",
-        description=__doc__.split("\n\n")[0]
-        + ". Every process reads only its own rows of each global step; checkpoints "
-        "save params, optimizer state, the step (the data position) and the run's settings.",
+        description=__doc__.split("\n\n")[0] + "\n\n"
+        "Every process reads only its own rows of each global step (grain's order);\n"
+        "checkpoints (orbax) hold params, optimizer state, the step and the run's settings.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
