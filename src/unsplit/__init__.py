@@ -4,6 +4,10 @@ Every example's randomness comes from its global id (``fold_in(key, id)``),
 losses are normalized over the global batch, and an optional bitwise mode fixes
 every reduction order, so a step gives the same loss and gradients on 1 device,
 on N devices, or as k gradient-accumulation microbatches.
+
+For a whole run, :mod:`unsplit.data` defines which records form every global
+step whatever the topology (on grain), and :mod:`unsplit.checkpoint` saves and
+restores the run onto any mesh and process count (with orbax).
 """
 
 from unsplit import checkpoint as checkpoint
