@@ -265,7 +265,6 @@ def run(
     if elastic_row:
         label = demo_resume.name(config.steps)
         progress.label(label)
-        todo.pop(0)
         cost, compiles, fixed_s = _ELASTIC_COST
         seen = {"units": 0.0}
 
