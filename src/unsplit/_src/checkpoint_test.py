@@ -14,7 +14,8 @@ import unsplit
 SETTINGS = {"seed": 0, "global_batch": 64, "chunk_size": 8}
 
 
-def state_on(mesh, spec=P()):
+def state_on(mesh, spec=None):
+    spec = P() if spec is None else spec
     params = {"w": jnp.arange(16.0).reshape(8, 2), "b": jnp.ones((2,), jnp.bfloat16)}
     opt = (jnp.zeros((), jnp.int32), {"mu": jnp.full((8, 2), 0.5)})
     tree = {"params": params, "opt": opt}
