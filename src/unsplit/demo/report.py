@@ -187,6 +187,13 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _label(row: dict[str, Any]) -> str:
+    """A row's legend entry: its name, the elastic row's in short."""
+    if "resumed_from" in row:
+        return f"elastic: killed at {row['killed_after']}, resumed, bitwise"
+    return row["name"]
+
+
 def plot(result: dict[str, Any], path: str) -> None:
     """Writes the PNG: loss curves overlaid; parameter divergence on a log scale.
 
@@ -216,7 +223,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     for r, color, style in rows:
         x = range(1, len(r["losses"]) + 1)
-        left.plot(x, _smooth(r["losses"], window), style, color=color, lw=1.2, label=r["name"])
+        left.plot(x, _smooth(r["losses"], window), style, color=color, lw=1.2, label=_label(r))
     for b in result["baselines"]:
         x = range(1, len(b["losses"]) + 1)
         left.plot(x, _smooth(b["losses"], window), ":", color="gray", lw=1.2, label=b["name"])
@@ -233,7 +240,7 @@ def plot(result: dict[str, Any], path: str) -> None:
             continue
         xs = [s for s, _ in r["divergence"]]
         ys = [d if d > 0.0 else floor for _, d in r["divergence"]]
-        right.plot(xs, ys, style, color=color, lw=1.4, marker=".", ms=4, label=r["name"])
+        right.plot(xs, ys, style, color=color, lw=1.4, marker=".", ms=4, label=_label(r))
     right.axhline(floor, color="green", lw=0.8, ls=":")
     right.set_yscale("log")
     top = max([*nonzero, floor * 10])
