@@ -4,8 +4,14 @@ Every example's randomness comes from its global id (``fold_in(key, id)``),
 losses are normalized over the global batch, and an optional bitwise mode fixes
 every reduction order, so a step gives the same loss and gradients on 1 device,
 on N devices, or as k gradient-accumulation microbatches.
+
+For a whole run, :mod:`unsplit.data` defines which records form every global
+step whatever the topology (on grain), and :mod:`unsplit.checkpoint` saves and
+restores the run onto any mesh and process count (with orbax).
 """
 
+from unsplit import checkpoint as checkpoint
+from unsplit import data as data
 from unsplit import equinox as equinox
 from unsplit import linen as linen
 from unsplit import models as models
@@ -38,6 +44,8 @@ __all__ = [
     "audit",
     "audit_step",
     "bitwise_train_step",
+    "checkpoint",
+    "data",
     "dropout",
     "equinox",
     "example_keys",

@@ -3,13 +3,14 @@
 Every Python installation carries the source of its standard library, so the
 demo needs no download. The text is a few modules' ``.py`` files (or, where an
 installation ships only bytecode, their docstrings), mapped to a 96-symbol
-character vocabulary. Each training step reads ``batch_size`` windows at
-positions drawn from ``numpy.random.default_rng((seed, step))``, and each
-window gets its own length (the rest is padding with mask 0), so examples
-carry different numbers of tokens and the token weighting of the loss matters.
+character vocabulary and cut into records (:class:`Windows`): windows of
+``length`` characters, each with its own length (the rest is padding with
+mask 0), so examples carry different numbers of tokens and the token
+weighting of the loss matters.
 
-Everything is a deterministic function of ``(seed, step)`` and the Python
-version's library text.
+The records of training step ``s`` come from grain's shuffle
+(:func:`unsplit.data.global_steps`): a function of ``(seed, epoch, s)`` and
+the Python version's library text, whatever the devices or processes.
 """
 
 from __future__ import annotations
@@ -90,44 +91,97 @@ def decode(tokens: np.ndarray) -> str:
 
 
 class Dataset:
-    """Deterministic ragged batches of character windows, one batch per step.
+    """The demo's global batches: grain's data order over :class:`Windows` records.
+
+    Step ``s`` reads the records ``unsplit.data.global_steps`` assigns to it:
+    a function of ``(seed, epoch, s)`` only, each record once per epoch. With a
+    ``mesh`` this process reads only its own rows of every step.
 
     Args:
         batch_size: examples per global batch.
         length: tokens per example (the model's context length).
-        seed: the data seed; batch ``step`` depends on ``(seed, step)`` only.
+        seed: the data order's seed.
+        mesh: the step's mesh in a multi-process run (None: every row).
 
     Example:
         >>> from unsplit.demo import data as demo_data
         >>> data = demo_data.Dataset(batch_size=4, length=16, seed=0)
         >>> b = data.batch(3)
-        >>> sorted(b), b["inputs"].shape, b["mask"].dtype.name
-        (['inputs', 'mask', 'targets'], (4, 16), 'float32')
+        >>> sorted(b), b["inputs"].shape, b["mask"].dtype.name, data.ids(3).dtype.name
+        (['inputs', 'mask', 'targets'], (4, 16), 'float32', 'int64')
     """
 
-    def __init__(self, batch_size: int, length: int, seed: int = 0):
+    def __init__(self, batch_size: int, length: int, seed: int = 0, mesh=None):
         if batch_size < 1 or length < 4:
             raise ValueError(
                 f"the demo data needs batch_size >= 1 and length >= 4; got "
                 f"batch_size={batch_size}, length={length}. Fix: pass larger values."
             )
-        self.tokens = encode(corpus_text())
-        self.batch_size = int(batch_size)
-        self.length = int(length)
-        self.seed = int(seed)
+        from unsplit import data as unsplit_data  # imports jax and grain
+
+        self.source = Windows(length)
+        self.steps = unsplit_data.global_steps(
+            self.source, global_batch=batch_size, seed=seed, mesh=mesh
+        )
+        self.batch_size, self.length, self.seed = int(batch_size), int(length), int(seed)
+
+    def step(self, step: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """``(rows, record ids)`` of global step ``step`` (this process's rows)."""
+        return self.steps[int(step)]
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        """The global batch of ``step``: ``{"inputs", "targets": int32[B, L], "mask": float32[B, L]}``.
+        """The rows of ``step``: ``{"inputs", "targets": int32[B, L], "mask": float32[B, L]}``."""
+        return self.step(step)[0]
 
-        Example ``i`` keeps its first ``n_i`` tokens (``n_i`` uniform in
-        ``[L // 4, L]``); the rest is padding (token 0) with mask 0.
-        """
-        rng = np.random.default_rng((self.seed, int(step)))
-        b, n = self.batch_size, self.length
-        starts = rng.integers(0, self.tokens.size - n - 1, size=b)
-        lengths = rng.integers(n // 4, n + 1, size=b)
-        windows = self.tokens[starts[:, None] + np.arange(n + 1)[None, :]]
-        mask = np.arange(n)[None, :] < lengths[:, None]
-        inputs = np.where(mask, windows[:, :-1], PAD).astype(np.int32)
-        targets = np.where(mask, windows[:, 1:], PAD).astype(np.int32)
-        return {"inputs": inputs, "targets": targets, "mask": mask.astype(np.float32)}
+    def ids(self, step: int) -> np.ndarray:
+        """The record ids of the rows of ``step`` (``int64[B]``), the examples' global ids."""
+        return self.step(step)[1]
+
+
+class Windows:
+    """The text as a random-access source of ragged records, for grain and ``global_steps``.
+
+    Record ``r`` is the window of ``length + 1`` characters starting at
+    ``r * length`` (the windows tile the text) with its own length ``n_r``,
+    uniform in ``[length // 4, length]`` and fixed per record; the rest is
+    padding with mask 0. It has ``__len__`` and ``__getitem__``, so
+    ``unsplit.data.global_steps(Windows(32), ...)`` defines the records of every
+    global step, and each process reads only its own.
+
+    Example:
+        >>> from unsplit.demo import data as demo_data
+        >>> source = demo_data.Windows(length=16)
+        >>> record = source[3]
+        >>> len(source) > 1000, sorted(record), record["inputs"].shape
+        (True, ['inputs', 'mask', 'targets'], (16,))
+    """
+
+    def __init__(self, length: int):
+        if length < 4:
+            raise ValueError(f"the demo data needs length >= 4; got length={length}.")
+        self.tokens = encode(corpus_text())
+        self.length = int(length)
+
+    def __len__(self) -> int:
+        return (self.tokens.size - 1) // self.length
+
+    def __getitem__(self, record: int) -> dict[str, np.ndarray]:
+        record = int(record)
+        if not 0 <= record < len(self):
+            raise IndexError(f"record {record} is not in [0, {len(self)}).")
+        n = self.length
+        length = np.random.default_rng((_LENGTH_SEED, record)).integers(n // 4, n + 1)
+        one = examples(self.tokens, np.array([record * n]), np.array([length]), n)
+        return {k: v[0] for k, v in one.items()}
+
+
+_LENGTH_SEED = 1
+
+
+def examples(tokens, starts, lengths, n: int) -> dict[str, np.ndarray]:
+    """Windows at ``starts`` keeping their first ``lengths`` tokens: inputs, targets, mask."""
+    windows = tokens[starts[:, None] + np.arange(n + 1)[None, :]]
+    mask = np.arange(n)[None, :] < lengths[:, None]
+    inputs = np.where(mask, windows[:, :-1], PAD).astype(np.int32)
+    targets = np.where(mask, windows[:, 1:], PAD).astype(np.int32)
+    return {"inputs": inputs, "targets": targets, "mask": mask.astype(np.float32)}

@@ -44,3 +44,17 @@ def test_examples_are_ragged_and_padded():
 def test_corpus_is_python_source():
     text = demo_data.corpus_text()
     assert "def " in text and "class " in text
+
+
+def test_windows_are_ragged_records_of_the_text():
+    source = demo_data.Windows(length=16)
+    assert len(source) == (source.tokens.size - 1) // 16
+    a, b = source[5], source[5]
+    for key in ("inputs", "targets", "mask"):
+        np.testing.assert_array_equal(a[key], b[key])
+    n = int(a["mask"].sum())
+    assert 4 <= n <= 16 and np.all(a["mask"][:n] == 1) and np.all(a["inputs"][n:] == 0)
+    np.testing.assert_array_equal(a["inputs"][:n], source.tokens[80 : 80 + n])
+    np.testing.assert_array_equal(a["targets"][: n - 1], a["inputs"][1:n])
+    lengths = {int(source[r]["mask"].sum()) for r in range(50)}
+    assert len(lengths) > 5

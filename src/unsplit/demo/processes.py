@@ -4,7 +4,8 @@
 (:func:`unsplit._src.launch.run_local_processes`, ``jax.distributed`` over
 gloo on 127.0.0.1). Each runs :func:`process_worker`: the same model, data and
 seed as the parent, a mesh over the 4 devices of both processes, and only its
-own rows of each global batch, assembled by ``unsplit.global_batch``. Process 0
+own rows of each global batch (grain's order, ``unsplit.data.global_steps``),
+assembled with their record ids by ``unsplit.global_batch``. Process 0
 writes the parameter snapshots to an ``.npz`` file and its progress to a small
 file, which the parent polls to move its progress bar.
 """
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src import distributed, launch
+from unsplit._src import launch
 from unsplit._src import transformer as tf
 from unsplit.demo import data as demo_data
 from unsplit.demo import train as dt
@@ -104,20 +105,19 @@ def _read_progress(path: str) -> tuple[int, int] | None:
 def process_worker(config: dict, bitwise: list[bool], snapshots: str, progress: str) -> dict:
     """One of the processes (run by ``launch.run_local_processes``; not for direct use)."""
     cfg = dt.DemoConfig(**config)
-    data = demo_data.Dataset(cfg.batch_size, cfg.length, cfg.seed)
     model, params, opt = dt.initial_state(cfg)
     apply = dt.apply_fn(opt)
     mesh = dt.make_mesh(jax.device_count())
+    data = demo_data.Dataset(cfg.batch_size, cfg.length, cfg.seed, mesh=mesh)  # only our rows
     loss_fn = tf.token_loss(model)
-    rows = distributed.local_positions(NamedSharding(mesh, P("data")), cfg.batch_size)
     lead = jax.process_index() == 0
     replicated = NamedSharding(mesh, P())
 
     def replicate(tree):
         return jax.tree.map(lambda x: _replicated(np.asarray(x), replicated), tree)
 
-    def local_rows(batch):
-        return unsplit.global_batch({k: v[rows] for k, v in batch.items()}, mesh)
+    def local_rows(rows, ids):
+        return unsplit.global_batch(rows, mesh, ids)
 
     runs, arrays = [], {}
     for m, b in enumerate(bitwise):

@@ -41,7 +41,10 @@ def format_diff(x: float) -> str:
 
 def table(result: dict[str, Any]) -> Table:
     """The comparison table: one section per mode, then the contrast rows."""
-    t = Table(title="One seed, one dataset, one model: the same training run, scheduled 10 ways")
+    ways = len(result["schedules"])
+    t = Table(
+        title=f"One seed, one dataset, one model: the same training run, scheduled {ways} ways"
+    )
     t.add_column("schedule (processes x devices x microbatches)")
     t.add_column("final loss", justify="right")
     t.add_column("max |param diff|*", justify="right")
@@ -124,6 +127,15 @@ def summary(result: dict[str, Any]) -> list[str]:
             f"{min(contrast):.1e} to {max(contrast):.1e}, {min(contrast) / max(max(default), 1e-30):,.0f}x "
             "and more above default mode's rounding."
         )
+    for r in result["schedules"]:
+        if "resumed_from" in r:
+            lines.append(
+                f"elastic: SIGKILLed after step {r['killed_after']}, resumed from the checkpoint "
+                f"of step {r['resumed_from']} on {r['processes']} processes x "
+                f"{r['devices'] // r['processes']} devices: "
+                + ("bit-identical to the uninterrupted run." if r["bit_identical"] else
+                   f"NOT bit-identical (max diff {r['max_abs_param_diff']:.1e}).")
+            )  # fmt: skip
     for s in result["skipped"]:
         lines.append(f"skipped: {s['name']} ({s['reason'].splitlines()[0][:200]})")
     return lines
@@ -175,6 +187,13 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _label(row: dict[str, Any]) -> str:
+    """A row's legend entry: its name, the elastic row's in short."""
+    if "resumed_from" in row:
+        return f"elastic: killed at {row['killed_after']}, resumed, bitwise"
+    return row["name"]
+
+
 def plot(result: dict[str, Any], path: str) -> None:
     """Writes the PNG: loss curves overlaid; parameter divergence on a log scale.
 
@@ -204,7 +223,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     for r, color, style in rows:
         x = range(1, len(r["losses"]) + 1)
-        left.plot(x, _smooth(r["losses"], window), style, color=color, lw=1.2, label=r["name"])
+        left.plot(x, _smooth(r["losses"], window), style, color=color, lw=1.2, label=_label(r))
     for b in result["baselines"]:
         x = range(1, len(b["losses"]) + 1)
         left.plot(x, _smooth(b["losses"], window), ":", color="gray", lw=1.2, label=b["name"])
@@ -221,7 +240,7 @@ def plot(result: dict[str, Any], path: str) -> None:
             continue
         xs = [s for s, _ in r["divergence"]]
         ys = [d if d > 0.0 else floor for _, d in r["divergence"]]
-        right.plot(xs, ys, style, color=color, lw=1.4, marker=".", ms=4, label=r["name"])
+        right.plot(xs, ys, style, color=color, lw=1.4, marker=".", ms=4, label=_label(r))
     right.axhline(floor, color="green", lw=0.8, ls=":")
     right.set_yscale("log")
     top = max([*nonzero, floor * 10])
@@ -255,11 +274,11 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 def header(config: demo_config.DemoConfig, processes: bool) -> str:
     """What is about to happen and how long it takes."""
-    runs = (10 if processes else 8) + 4
+    runs = (11 if processes else 8) + 4  # with processes: 2 two-process rows and the elastic row
     if config == demo_config.DemoConfig():
-        typical = "about 2.5 minutes on an idle 2-core CPU, up to twice that on a busy one"
+        typical = "about 3 minutes on an idle 2-core CPU, up to twice that on a busy one"
     elif config == demo_config.make(quick=True):
-        typical = "under a minute on an idle 2-core CPU"
+        typical = "about a minute on an idle 2-core CPU"
     else:
         typical = "it depends on the settings"
     return (

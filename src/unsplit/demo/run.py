@@ -6,7 +6,8 @@ own source, character by character (:mod:`~unsplit.demo.data`), for
 batch: the reference (1 device), 8 devices, 1 device x 8 microbatches,
 2 devices x 4 microbatches, and 2 real processes x 2 devices x 2 microbatches
 (``jax.distributed`` over gloo on this machine), each in default and in
-bitwise mode. Contrast rows train the same model on the same data the usual
+bitwise mode, and an elastic row: a bitwise run SIGKILLed mid-way and resumed
+from its checkpoint on another topology (:mod:`~unsplit.demo.resume`). Contrast rows train the same model on the same data the usual
 way (:mod:`~unsplit.demo.train`). :func:`run` returns a JSON-ready dict;
 :mod:`~unsplit.demo.report` prints and plots it.
 """
@@ -28,13 +29,9 @@ from unsplit._src import launch
 from unsplit._src import transformer as tf
 from unsplit.demo import data as demo_data
 from unsplit.demo import processes as demo_processes
+from unsplit.demo import progress as demo_progress
+from unsplit.demo import resume as demo_resume
 from unsplit.demo import train as dt
-
-# Guesses of what each run costs, refined once the reference has been timed: a step
-# costs `cost` reference steps, a run's compiles cost `compiles` reference compiles plus
-# `fixed_s` seconds that do not scale with them.
-_GUESS_STEP_S = 0.03
-_GUESS_COMPILE_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +88,7 @@ class Contrast:
 
 BASELINE = "flax baseline"  # flax's batch-level dropout, the whole batch on 1 device
 _BASELINE_COST = (0.9, 0.6, 0.0)
+_ELASTIC_COST = (6.5, 2.0, 14.0)  # two launches (1 then 2 processes), both compile
 CONTRASTS = (
     Contrast("per-device keys (shard_prng_key), 8 devices", "per_device_keys", 8, 1, BASELINE, 2.5, 0.6),
     Contrast("same key every microbatch (T5X), 1 x 8", "same_key_microbatches", 1, 8, BASELINE, 1.0, 1.0),
@@ -149,34 +147,6 @@ def compare(snapshots: dict, reference: dict, skip: set[int] = frozenset()):
     return curve, max(diffs(last)), same
 
 
-class _Progress:
-    """Progress in estimated seconds; the estimate is refined once the reference is timed."""
-
-    def __init__(self, steps: int, bar: Any = None):
-        self.steps, self.bar, self.done, self.total = steps, bar, 0.0, 1.0
-        self.step_s, self.compile_s = _GUESS_STEP_S, _GUESS_COMPILE_S
-        self.task = None if bar is None else bar.add_task("training", total=1.0)
-
-    def plan(self, remaining: list[tuple[float, float]]) -> float:
-        """Sets the total from the runs left, as (step cost, compiles, fixed s); returns seconds left."""
-        left = sum(c * self.compile_s + f + self.steps * s * self.step_s for s, c, f in remaining)
-        self.total = self.done + left
-        self._show()
-        return left
-
-    def label(self, text: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, description=text)
-
-    def advance(self, seconds: float) -> None:
-        self.done = min(self.done + seconds, self.total)
-        self._show()
-
-    def _show(self) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=self.done, total=self.total)
-
-
 def run(
     config: dt.DemoConfig,
     *,
@@ -219,10 +189,17 @@ def run(
     local = [s for s in plan if s.processes == 1]
     remote = [s for s in plan if s.processes > 1]
 
-    progress = _Progress(config.steps, bar)
+    progress = demo_progress.Progress(config.steps, bar)
     todo = [(s.cost, s.compiles, s.fixed_s) for s in local]
     todo += [_BASELINE_COST] + [(c.cost, c.compiles, 0.0) for c in CONTRASTS]
     todo += [(s.cost, s.compiles, s.fixed_s) for s in remote]
+    elastic_row = True in modes and processes
+    if elastic_row:
+        todo.append(_ELASTIC_COST)
+    else:
+        skipped.append(
+            {"name": demo_resume.name(config.steps), "reason": reason or "--no-processes"}
+        )
     progress.plan(todo)
     runs: dict[str, dt.Run] = {}
 
@@ -244,7 +221,9 @@ def run(
                     progress.compile_s = marks[1] - t0
                     left = (config.steps - 11) * progress.step_s + progress.plan(todo)
                     total = marks[11] - started + left
-                    say(f"Estimated time on this machine: about {_duration(total)} in all.")
+                    say(
+                        f"Estimated time on this machine: about {demo_progress.duration(total)} in all."
+                    )
 
         runs[name] = dt.train(config, update, params, init(params), data, on_step=on_step)
 
@@ -282,6 +261,23 @@ def run(
             say(f"[bold red]The 2-process rows failed and are left out:[/] {e}")
             skipped += [{"name": s.name, "reason": f"launch failed: {e}"} for s in remote]
             remote = []
+    elastic_info = None
+    if elastic_row:
+        label = demo_resume.name(config.steps)
+        progress.label(label)
+        cost, compiles, fixed_s = _ELASTIC_COST
+        seen = {"units": 0.0}
+
+        def on_elastic(step: int) -> None:
+            now = compiles * progress.compile_s + fixed_s + step * cost * progress.step_s
+            progress.advance(max(0.0, now - seen["units"]))
+            seen["units"] = max(seen["units"], now)
+
+        try:
+            runs[label], elastic_info = demo_resume.run_elastic(config, on_elastic, timeout_s)
+        except launch.LaunchError as e:
+            say(f"[bold red]The elastic row failed and is left out:[/] {e}")
+            skipped.append({"name": label, "reason": f"launch failed: {e}"})
     progress.advance(progress.total)
 
     inert = inert_leaves(params)
@@ -317,6 +313,18 @@ def run(
         for s in plan
         if s.processes == 1 or s in remote
     ]
+    if elastic_info is not None:
+        rows.append(
+            row(
+                demo_resume.name(config.steps),
+                "reference, bitwise",
+                devices=demo_resume.SECOND["devices"] * demo_resume.SECOND["processes"],
+                processes=demo_resume.SECOND["processes"],
+                microbatches=demo_resume.SECOND["microbatches"],
+                bitwise=True,
+                **elastic_info,
+            )
+        )
     contrast = [
         row(
             c.name, c.compared_with, scheme=c.scheme, devices=c.devices, microbatches=c.microbatches
@@ -360,11 +368,6 @@ def _environment() -> dict[str, Any]:
         "backend": jax.default_backend(),
         "device_count": jax.device_count(),
     }
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(1, round(seconds))
-    return f"{seconds} s" if seconds < 90 else f"{seconds // 60} min {seconds % 60:02d} s"
 
 
 def dumps(result: dict) -> str:

@@ -75,7 +75,12 @@ def test_quick_demo_end_to_end(tmp_path):
     doc = json.loads(json_path.read_text())
     assert doc["skipped"] == [], doc["skipped"]
 
-    rows = {(r["name"].removesuffix(", bitwise"), r["bitwise"]): r for r in doc["schedules"]}
+    elastic = [r for r in doc["schedules"] if r["name"].startswith("elastic")]
+    rows = {
+        (r["name"].removesuffix(", bitwise"), r["bitwise"]): r
+        for r in doc["schedules"]
+        if r not in elastic
+    }
     assert set(rows) == {(name, b) for name in SCHEDULES for b in (False, True)}
     for row in doc["schedules"]:
         assert set(row) >= ISSUE_KEYS, row.keys()
@@ -89,6 +94,13 @@ def test_quick_demo_end_to_end(tmp_path):
         assert r["bit_identical"], r["name"]
         assert r["final_loss"] == rows[("reference", True)]["final_loss"]
         assert all(d == 0.0 for _, d in r["divergence"])
+
+    # Killed after step 9, resumed from the checkpoint of step 8 on 2 processes: exact.
+    [e] = elastic
+    assert (e["killed_after"], e["resumed_from"], e["processes"]) == (9, 8, 2), e
+    assert e["bit_identical"] and e["max_abs_param_diff_all"] == 0.0
+    assert e["losses"] == rows[("reference", True)]["losses"]
+    assert "elastic: SIGKILLed after step 9, resumed from the checkpoint of step 8" in out
 
     # Default mode: the same function, float rounding apart.
     default = [rows[(name, False)]["max_abs_param_diff"] for name in SCHEDULES[1:]]

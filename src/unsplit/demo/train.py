@@ -1,8 +1,9 @@
 """The demo's training runs: one loop, and the update each schedule or naive scheme uses.
 
 Every run starts from the same parameters, reads the same batches
-(:class:`~unsplit.demo.data.Dataset`) and uses the step key
-``fold_in(key(seed), step)``; only the way the step is computed differs:
+(:class:`~unsplit.demo.data.Dataset`: grain's data order, each example with its
+record id as global id) and uses the step key ``fold_in(key(seed), step)``;
+only the way the step is computed differs:
 
 * :func:`unsplit_update`: ``unsplit.value_and_grad`` with a mesh of ``devices``
   and ``microbatches`` sequential microbatches, default or bitwise mode;
@@ -36,7 +37,8 @@ from unsplit._src import transformer as tf
 from unsplit.demo import data as demo_data
 from unsplit.demo.config import DemoConfig
 
-Update = Callable[[Any, Any, dict, jax.Array], tuple[Any, Any, jax.Array]]
+#: ``update(params, opt_state, (batch, ids), key) -> (params, opt_state, loss)``.
+Update = Callable[[Any, Any, tuple, jax.Array], tuple[Any, Any, jax.Array]]
 
 
 @dataclasses.dataclass
@@ -60,13 +62,14 @@ def train(
     params: Any,
     opt_state: Any,
     data: demo_data.Dataset,
-    batch_fn: Callable[[dict], Any] = lambda b: b,
+    batch_fn: Callable[[dict, np.ndarray], tuple] = lambda rows, ids: (rows, ids),
     on_step: Callable[[int], None] = lambda step: None,
 ) -> Run:
     """Runs ``config.steps`` steps of ``update``; step ``s`` uses ``fold_in(key(seed), s)``.
 
-    ``batch_fn`` turns the host batch into what ``update`` takes (the
-    multi-process worker passes its local rows through ``unsplit.global_batch``).
+    ``batch_fn(rows, ids)`` turns the host rows and their record ids into the
+    ``(batch, ids)`` that ``update`` takes (the multi-process worker passes its
+    local rows through ``unsplit.global_batch``).
     The step time is the mean wall time of steps 2..n (step 1 compiles).
     """
     base = jax.random.key(config.seed)
@@ -78,7 +81,7 @@ def train(
             jax.block_until_ready(params)
             start = time.perf_counter()
         key = jax.random.fold_in(base, s)
-        params, opt_state, loss = update(params, opt_state, batch_fn(data.batch(s)), key)
+        params, opt_state, loss = update(params, opt_state, batch_fn(*data.step(s)), key)
         losses.append(loss)
         if s + 1 in snap_at:
             snapshots[s + 1] = host_leaves(params)
@@ -151,12 +154,9 @@ def unsplit_step(config: DemoConfig, loss_fn, *, devices, microbatches, bitwise,
 def unsplit_update(step: unsplit.Step, apply) -> Update:
     """A training update from an unsplit step and the jitted optimizer update."""
 
-    def update(params, state, batch, key):
-        if isinstance(batch, tuple):  # (global batch, global ids) from global_batch
-            batch, ids = batch
-            loss, grads = step(params, batch, key, ids=ids)
-        else:
-            loss, grads = step(params, batch, key)
+    def update(params, state, batch_ids, key):
+        batch, ids = batch_ids  # the examples' record ids: their noise follows them
+        loss, grads = step(params, batch, key, ids=ids)
         params, state = apply(params, state, grads)
         return params, state, loss
 
@@ -233,11 +233,14 @@ def flax_update(model, opt, scheme: str, shares: int = 8) -> Update:
         )
 
     @jax.jit
-    def update(params, state, batch, key):
+    def jitted(params, state, batch, key):
         ls, w, g = sums(params, batch, key)
         grads = jax.tree.map(lambda x: x / w, g)
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, ls / w
+
+    def update(params, state, batch_ids, key):
+        return jitted(params, state, batch_ids[0], key)  # batch-level draws ignore the ids
 
     return update
 
@@ -246,7 +249,7 @@ def multisteps_update(model, opt, microbatches: int = 8) -> tuple[Update, Callab
     """``optax.MultiSteps`` accumulation over unsplit's per-example noise (mean of means).
 
     Each microbatch's gradient is its own token mean, with the example keys of
-    the reference (ids = positions in the global batch); MultiSteps averages
+    the reference (ids = the records' ids); MultiSteps averages
     the ``microbatches`` means and applies Adam once per global batch.
 
     Returns:
@@ -261,13 +264,14 @@ def multisteps_update(model, opt, microbatches: int = 8) -> tuple[Update, Callab
         updates, state = multi.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    def update(params, state, batch, key):
+    def update(params, state, batch_ids, key):
+        batch, ids = batch_ids
         size = demo_batch_size(batch) // microbatches
         losses = []
         for m in range(microbatches):
             part = jax.tree.map(lambda x, m=m: x[m * size : (m + 1) * size], batch)
-            ids = np.arange(m * size, (m + 1) * size, dtype=np.uint32)
-            params, state, loss = micro(params, state, part, key, ids)
+            part_ids = np.asarray(ids[m * size : (m + 1) * size], np.uint32)
+            params, state, loss = micro(params, state, part, key, part_ids)
             losses.append(loss)
         return params, state, sum(losses) / microbatches
 

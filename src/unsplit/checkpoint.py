@@ -1,0 +1,12 @@
+"""Checkpoints of an elastic run, with orbax: save on one topology, resume on another.
+
+``Checkpointer(directory, settings={...})`` saves the training state, the
+global step (the data position of :func:`unsplit.data.global_steps`) and the
+run's invariance settings; ``restore(like=state)`` reads the state onto this
+run's mesh and processes after checking the settings. See docs/elastic.md.
+"""
+
+from unsplit._src.checkpoint import Checkpointer as Checkpointer
+from unsplit._src.checkpoint import SettingsMismatch as SettingsMismatch
+
+__all__ = ["Checkpointer", "SettingsMismatch"]
