@@ -254,7 +254,7 @@ class Walker:
     def _scan(self, eqn: Any, ins: list[Node], ctx: Ctx) -> list[Node]:
         p = eqn.params
         jaxpr, consts = _unpack(p["jaxpr"])
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_consts, n_carry = _scan_counts(p)
         marker = Origin("loop", "scan", ctx.site_of(eqn), tag=(ctx.path, id(eqn)))
         body_consts = ins[:n_consts]
         carry = [n.info for n in ins[n_consts : n_consts + n_carry]]
@@ -379,3 +379,13 @@ def used_as_key(eqn: Any) -> list[int]:
     if name == "rng_bit_generator":
         return [0]
     return []
+
+
+def _scan_counts(params: dict) -> tuple[int, int]:
+    """A scan's (consts, carry) input counts: ``num_consts``/``num_carry`` (JAX <= 0.11), or
+    the lengths of the first two groups of ``ft_in`` (JAX 0.12: consts, carry, xs)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    ft_in = params["ft_in"]  # a flat tree of three groups; indexing it gives leaves
+    consts, carry = getattr(ft_in, "elts", ft_in)[:2]
+    return len(consts), len(carry)

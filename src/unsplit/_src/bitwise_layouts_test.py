@@ -116,6 +116,7 @@ def test_a_dimension_over_both_a_batch_and_a_model_axis_is_refused():
         run(mesh, placed(mesh, specs))
 
 
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_fifty_adam_steps_through_the_jitted_donated_train_step_are_identical():
     steps = 50
     one = testing.train(steps, microbatches=4, devices=None, bitwise=True)

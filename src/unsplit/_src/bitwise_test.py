@@ -53,6 +53,7 @@ def test_full_grid_is_bit_identical_with_the_default_chunk_size(devices, microba
     assert testing.bits_equal(out, reference())
 
 
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_chunk_size_one_is_bit_identical_too():
     assert testing.bits_equal(run(4, 2, chunk_size=1), reference(chunk_size=1))
     assert not testing.bits_equal(reference(chunk_size=1), reference())  # another chunking
@@ -83,6 +84,7 @@ def test_negative_control_default_mode_is_not_bit_identical():
     assert not all(testing.bits_equal(out, default[0]) for out in default[1:])
 
 
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_uneven_chunk_counts_and_three_devices():
     # 48 examples, chunks of 8: 6 chunks, i.e. shares of 3 chunks that are not aligned subtrees.
     batch = jax.tree.map(lambda x: x[:48], BATCH)
@@ -95,6 +97,7 @@ def test_uneven_chunk_counts_and_three_devices():
     assert testing.bits_equal(run(6, 1, batch=batch, mesh=six), ref)
 
 
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_shuffled_with_ids_matches_in_value_and_auto_axes():
     perm = np.random.default_rng(0).permutation(64)
     shuffled = jax.tree.map(lambda x: x[perm], BATCH)
@@ -128,6 +131,7 @@ def test_second_call_does_not_retrace():
     assert first > 0 and len(traces) == first
 
 
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_microbatches_never_refuse_but_a_share_of_partial_chunks_does():
     assert testing.bits_equal(run(8, 4), reference())  # 8 examples per device, 2 per microbatch
     with pytest.raises(
@@ -204,6 +208,7 @@ def test_two_dimensional_mesh_is_bit_identical_and_replicated():
     assert jax.tree.leaves(out[1])[0].sharding.mesh == mesh
 
 
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_one_chunk_per_group_is_bit_identical_with_attention_dropout():
     # Regression: with one chunk per group the chunk was the program's whole input, XLA compiled
     # it differently from a sliced chunk, and the demo's model (attention dropout, vocab 96) got

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 _TIMEOUT_S = 600
 
 SCHEDULES = [
@@ -64,6 +66,7 @@ def _run_demo(args):
     return proc.returncode, out
 
 
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_quick_demo_end_to_end(tmp_path):
     json_path, png_path = tmp_path / "demo.json", tmp_path / "demo.png"
     code, out = _run_demo(
