@@ -165,7 +165,7 @@ class _Compiled:
             if any(d.process_index == me for d in plan.group_devices(g).flat)
         ]
         self.chunk_fns = {
-            g: programs.chunks_program(plan, owner.spec, g) for g in self.local_groups
+            g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups
         }
         self.executables: dict[int, Any] = {}
         gentry = programs._entry(plan.group_axes)
@@ -187,29 +187,33 @@ class _Compiled:
         by_device = [{s.device: s.data for s in v.addressable_shards} for v in vectors]
         rows = plan.per_group * plan.chunk
         hi, lo = _id_words(ids, plan.chunks * plan.chunk)
-        args = {}
+        inputs = {}
         for g in self.local_groups:
             gmesh = plan.group_mesh(g)
             devices = list(plan.group_devices(g).flat)
             place = _Placer(gmesh, devices, g * rows, rows)
             group_vectors = [place.flat(v, by_device[i]) for i, v in enumerate(vectors)]
-            args[g] = (
-                group_vectors,
-                jax.tree.map(place.rows, batch),
-                place.rows(hi),
-                place.rows(lo),
-                place.whole(key),
-                np.int32(g * plan.per_group),
-                np.int32(plan.per_group),
-            )
+            group_rows = (jax.tree.map(place.rows, batch), place.rows(hi), place.rows(lo))
+            chunks = programs.split_chunks(group_rows, plan.chunk)
+            inputs[g] = (group_vectors, chunks, place.whole(key))
         if not self.executables:
-            self._compile(args)
-        outputs = {g: self.executables[g](*args[g]) for g in self.local_groups}
+            self._compile(inputs)
+        blocks, auxes = {}, {}
+        for g in self.local_groups:  # every call is asynchronous: the groups run at once
+            group_vectors, chunks, group_key = inputs[g]
+            run_chunk = self.executables[g]
+            outs = [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
+            blocks[g] = _binary_counter(
+                [sums for sums, _ in outs], g * plan.per_group, programs.add_blocks
+            )
+            if self.owner.spec.has_aux:
+                auxes[g] = programs.concat_rows([aux for _, aux in outs])
+        stacked = {g: programs.stack_blocks(blocks[g], plan.slots) for g in self.local_groups}
         slots = [
             jax.make_array_from_single_device_arrays(
-                (plan.groups, *out_shape(outputs, i)),
+                (plan.groups, *stacked[self.local_groups[0]][i].shape[1:]),
                 self.slots_sharding,
-                [s.data for g in self.local_groups for s in outputs[g][0][i].addressable_shards],
+                [s.data for g in self.local_groups for s in stacked[g][i].addressable_shards],
             )
             for i in range(len(plan.sums_flat.vectors))
         ]
@@ -217,11 +221,12 @@ class _Compiled:
         if not self.same_mesh:
             totals = jax.device_put(totals, self.total_sharding)
         loss, grads, weight = self.unpack(totals)
-        aux = self._aux(outputs) if self.owner.spec.has_aux else None
+        aux = self._aux(auxes) if self.owner.spec.has_aux else None
         return loss, grads, aux, weight
 
-    def _compile(self, args) -> None:
+    def _compile(self, inputs) -> None:
         """Traces here (the caller's JAX settings apply), compiles every group in parallel."""
+        args = {g: (v, *chunks[0], k) for g, (v, chunks, k) in inputs.items()}
         keys = {g: self._key(g, args[g]) for g in self.local_groups}
         todo = [g for g in self.local_groups if keys[g] not in self.shared]
         lowered = {g: jax.jit(self.chunk_fns[g]).lower(*args[g]) for g in todo}
@@ -246,7 +251,7 @@ class _Compiled:
         plan = self.plan
         size = plan.chunks * plan.chunk
         sharding = NamedSharding(plan.compute, P(programs._entry(self.owner.layout.batch_axes)))
-        per_group = [outputs[g][1] for g in self.local_groups]
+        per_group = [outputs[g] for g in self.local_groups]
 
         def assemble(*leaves):
             shards = [s.data for leaf in leaves for s in leaf.addressable_shards]
@@ -258,9 +263,21 @@ class _Compiled:
         return jax.tree.map(assemble, *per_group)
 
 
-def out_shape(outputs, i):
-    first = next(iter(outputs.values()))[0][i]
-    return first.shape[1:]
+def _binary_counter(values: list, first: int, add) -> list:
+    """Chunk sums ``first, first + 1, ...`` -> the aligned blocks of the canonical tree.
+
+    Like a binary counter over the global chunk index: a new chunk merges with the
+    block on top while that block is its left sibling (same size, aligned), so
+    every add is one of the tree's, whatever the schedule.
+    """
+    stack: list[tuple[int, int, Any]] = []  # (first chunk, size, sums)
+    for i, value in enumerate(values):
+        low, size = first + i, 1
+        while stack and stack[-1][1] == size and stack[-1][0] % (2 * size) == 0:
+            left_low, _, left = stack.pop()
+            value, low, size = add(left, value), left_low, 2 * size
+        stack.append((low, size, value))
+    return [value for _, _, value in stack]
 
 
 class _Placer:

@@ -1,13 +1,14 @@
-"""The four programs of a bitwise step: pack, chunks (per group), combine, unpack.
+"""The four programs of a bitwise step: pack, chunk (per group), combine, unpack.
 
 1. ``pack`` (the user's mesh, one SPMD program): every device's local blocks
    of the params as flat vectors; params sharded over the batch axes (FSDP) are
    gathered first (an all-gather is exact data movement).
-2. ``chunks`` (one program per group: one device, or the group's model-parallel
-   devices): a loop over the group's chunks, each computed by the same code,
-   whose partial sums are added like a binary counter over the *global* chunk
-   index (the canonical tree of :mod:`unsplit._src.reduce`). The trip count is
-   a run-time value, so the loop body is compiled the same for every schedule.
+2. ``chunk`` (compiled once per group: one device, or the group's
+   model-parallel devices): one chunk's partial sums, from inputs of one
+   chunk's shape, so the same program for every schedule. The host runs it
+   for each of the group's chunks and adds their sums like a binary counter
+   over the *global* chunk index (the canonical tree of
+   :mod:`unsplit._src.reduce`), with an elementwise add program.
 3. ``combine`` (the compute mesh): the groups' blocks added in the same tree:
    recursive doubling with ``ppermute`` when every group holds one aligned
    subtree, else an all-gather and the tree. Never a ``psum``.
@@ -20,6 +21,8 @@ program for every schedule.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +68,17 @@ def pack_program(plan: Plan):
     return jax.jit(pack)
 
 
-def chunks_program(plan: Plan, spec: sums.LossSpec, group: int):
-    """One group's program: its chunks' partial sums, as aligned blocks (and the aux)."""
+def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
+    """One chunk's packed partial sums (and its aux), on group ``group``'s devices.
+
+    Its inputs are one chunk (``chunk_size`` rows), so it is the same program
+    for every schedule: measured, a loop over a group's chunks inside one
+    program got other bits when the group's share (the loop's input shapes)
+    changed.
+    """
     gmesh = plan.group_mesh(group) if plan.group_axes else None
     gentry = _entry(plan.group_axes)
-    structure, c, slots = plan.structure, plan.chunk, plan.slots
+    structure = plan.structure
     n_params = len(plan.params_flat.vectors)
     n_sums = len(plan.sums_flat.vectors)
     diff_specs = [s for s, d in zip(plan.local_specs, structure.diff, strict=True) if d]
@@ -104,80 +113,43 @@ def chunks_program(plan: Plan, spec: sums.LossSpec, group: int):
             )(*grads, loss_sum, weight)
         )
 
-    def zeros(length, dtype):
-        x = jnp.zeros((slots, length), dtype)
-        if gmesh is None:
-            return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(gmesh, P(None, gentry)))
-
-    def run(vectors, batch, hi, lo, key, start, count):
-        arrays = unpack(vectors)
-        rows = count_rows(batch)
-        if rows == c:
-            # One chunk per group: the chunk would be the whole (loop-invariant) input, and
-            # XLA would compile its computation differently from a sliced chunk (measured:
-            # other bits). A padded copy keeps it a slice at a run-time offset.
-            batch, hi, lo = jax.tree.map(
-                lambda x: jnp.concatenate([x, jnp.zeros_like(x)]), (batch, hi, lo)
-            )
-
-        def chunk_sums(i):
-            chunk = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * c, c), batch)
-            ids = keys_lib.Ids64(
-                hi=jax.lax.dynamic_slice_in_dim(hi, i * c, c),
-                lo=jax.lax.dynamic_slice_in_dim(lo, i * c, c),
-            )
-            (loss_sum, weight, grads), aux = sums.example_sums(
-                spec, structure, arrays, chunk, key, ids
-            )
-            return pack_sums(grads, loss_sum, weight), aux
-
-        (first, aux_shape) = jax.eval_shape(chunk_sums, 0)
-        state = (
-            [zeros(v.shape[0], v.dtype) for v in first],
-            jnp.zeros((slots,), jnp.int32),  # each slot's block: first chunk
-            jnp.zeros((slots,), jnp.int32),  # and size
-            jnp.int32(0),  # slots in use
-            jax.tree.map(lambda a: jnp.zeros((rows, *a.shape[1:]), a.dtype), aux_shape),
+    def run(vectors, chunk, hi, lo, key):
+        ids = keys_lib.Ids64(hi=hi, lo=lo)
+        (loss_sum, weight, grads), aux = sums.example_sums(
+            spec, structure, unpack(vectors), chunk, key, ids
         )
-
-        def body(i, state):
-            stack, lows, sizes, depth, aux_all = state
-            value, aux = chunk_sums(i)
-
-            def can_merge(carry):
-                _, _, size, d = carry
-                top = jnp.maximum(d - 1, 0)
-                return (d > 0) & (sizes[top] == size) & (lows[top] % (2 * size) == 0)
-
-            def merge(carry):  # the top block is this block's left sibling: left + right
-                value, _, size, d = carry
-                left = [s[d - 1] for s in stack]
-                return (
-                    [a + b for a, b in zip(left, value, strict=True)],
-                    lows[d - 1],
-                    2 * size,
-                    d - 1,
-                )
-
-            value, low, size, depth = jax.lax.while_loop(
-                can_merge, merge, (value, start + i, jnp.int32(1), depth)
-            )
-            stack = [s.at[depth].set(v) for s, v in zip(stack, value, strict=True)]
-            lows, sizes = lows.at[depth].set(low), sizes.at[depth].set(size)
-            aux_all = jax.tree.map(
-                lambda acc, a: jax.lax.dynamic_update_slice_in_dim(acc, a, i * c, 0), aux_all, aux
-            )
-            return stack, lows, sizes, depth + 1, aux_all
-
-        stack, _, _, _, aux_all = jax.lax.fori_loop(0, count, body, state)
-        return [s[None] for s in stack], aux_all
+        return pack_sums(grads, loss_sum, weight), aux
 
     return run
 
 
-def count_rows(batch) -> int:
-    return jax.tree.leaves(batch)[0].shape[0]
+@functools.partial(jax.jit, static_argnums=1)
+def split_chunks(rows, chunk: int):
+    """A group's rows (any pytree) -> the list of its chunks (exact data movement)."""
+    n = jax.tree.leaves(rows)[0].shape[0] // chunk
+    return [jax.tree.map(lambda x, i=i: x[i * chunk : (i + 1) * chunk], rows) for i in range(n)]
+
+
+@jax.jit
+def add_blocks(left, right):
+    """Two blocks' packed sums, left + right (elementwise: exactly rounded anywhere)."""
+    return [a + b for a, b in zip(left, right, strict=True)]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def stack_blocks(blocks, slots: int):
+    """A group's blocks (a list of packed sums) -> one (1, slots, length) array per vector."""
+    stacked = []
+    for vectors in zip(*blocks, strict=True):
+        pad = [jnp.zeros_like(vectors[0])] * (slots - len(vectors))
+        stacked.append(jnp.stack([*vectors, *pad])[None])
+    return stacked
+
+
+@jax.jit
+def concat_rows(parts):
+    """The chunks' aux, in row order."""
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
 def combine_program(plan: Plan):
