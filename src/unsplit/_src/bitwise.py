@@ -164,9 +164,7 @@ class _Compiled:
             for g in range(plan.groups)
             if any(d.process_index == me for d in plan.group_devices(g).flat)
         ]
-        self.chunk_fns = {
-            g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups
-        }
+        self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
         self.executables: dict[int, Any] = {}
         gentry = programs._entry(plan.group_axes)
         self.slots_sharding = NamedSharding(
