@@ -215,6 +215,11 @@ class _Compiled:
             )
             for i in range(len(plan.sums_flat.vectors))
         ]
+        if jax.process_count() > 1:
+            # Multi-process (gloo on CPU): a collective program dispatched while many one-device
+            # programs are still queued hung under load (measured: 2 processes, 50 steps, a
+            # busy machine). Wait for this process's chunk sums before the combine.
+            jax.block_until_ready(slots)
         totals = self.combine(*slots)
         if not self.same_mesh:
             totals = jax.device_put(totals, self.total_sharding)

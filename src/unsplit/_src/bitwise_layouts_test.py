@@ -74,6 +74,7 @@ def test_fsdp_gives_the_bits_of_replicated_params():
         assert g.sharding == p.sharding
 
 
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_fsdp_plus_tensor_parallel_gives_the_tensor_parallel_bits():
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AUTO, AUTO))
     tp = testing.tensor_parallel_specs(PARAMS)

@@ -71,6 +71,7 @@ def test_bitwise_is_close_to_default_mode():
     assert testing.rel_l2(grads, d_grads) <= 1e-5
 
 
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_negative_control_default_mode_is_not_bit_identical():
     # Without a fixed reduction order the bits do depend on the schedule (psum order,
     # batch-size-dependent matmuls). If this ever passes trivially, bitwise mode's
@@ -161,6 +162,7 @@ def test_refuses_to_run_inside_jit_and_names_the_train_step():
         jax.jit(step)(PARAMS, BATCH, KEY)
 
 
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_aux_is_bit_identical_across_schedules():
     def with_aux(p, ex, k):
         loss_sum, tokens = WEIGHTED(p, ex, k)
