@@ -242,12 +242,26 @@ class _Compiled:
         self.executables.update({g: self.shared[keys[g]] for g in self.local_groups})
 
     def _key(self, g: int, args) -> Any:
-        """What group ``g``'s compiled program depends on: the plan, its devices, the inputs."""
-        leaves = jax.tree.leaves(args)
+        """What group ``g``'s chunk program depends on: the params' and sums' flat layouts,
+        its devices and the inputs' shapes -- not the schedule, so a step on 4 devices reuses
+        the programs a step on 8 devices compiled for the same devices."""
+        leaves, treedef = jax.tree.flatten(args)
         avals = tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
-        devices = tuple(d.id for d in self.plan.group_devices(g).flat)
-        spec = self.owner.spec
-        return (spec.weighted, spec.has_aux, self.plan, g, devices, avals)
+        devices = self.plan.group_devices(g)
+        plan, spec = self.plan, self.owner.spec
+        return (
+            spec.weighted,
+            spec.has_aux,
+            plan.structure,
+            plan.params_flat,
+            plan.sums_flat,
+            plan.local_specs,
+            plan.group_axes,
+            devices.shape,
+            tuple(d.id for d in devices.flat),
+            treedef,
+            avals,
+        )
 
     def _aux(self, outputs):
         """The groups' per-example aux, as global arrays in global-batch order."""
