@@ -6,11 +6,11 @@ loss with dropout, batch 64) runs in default mode and with ``bitwise=True`` (def
 chunk size), side by side in alternating rounds. Reported per layout:
 
 * step time, bitwise / default: median ratio with min and max (goal <= 1.10x);
+* default mode cut into as many microbatches as a group has chunks, / default: the
+  cost of running the same layout in programs of one chunk's rows (tensor parallel);
 * per-device memory, bitwise / default (goal <= 1.25x). Default mode: XLA's memory
-  analysis of its one program (arguments + outputs + temp). Bitwise mode: the params
-  the caller holds, plus the largest program a device runs (its group's chunk program:
-  flat params, the group's rows, partial sums, temp), plus the flat params the pack
-  program leaves behind;
+  analysis of its one program (arguments + outputs + temp). Bitwise mode: the peak a
+  step holds, each buffer once (see ``bitwise_memory``);
 * whether the bitwise result was bit-identical to the one-device bitwise result
   (replicated and FSDP layouts) or to the tensor-parallel result at data=1.
 
@@ -32,11 +32,13 @@ from rich.table import Table
 
 import unsplit
 from unsplit._src import test_util
+from unsplit._src.bitwise_plan import DEFAULT_CHUNK
 from unsplit.models import Transformer, TransformerConfig, init_params, synthetic_batch, token_loss
 
 MARKER = "bitwise"
 DOC = "benchmarks.md"
 AUTO = (AxisType.Auto, AxisType.Auto)
+CHUNK = DEFAULT_CHUNK  # the default chunk size (batch 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +73,40 @@ def per_device_bytes(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in leaves)
 
 
-def bitwise_memory(step, params) -> int:
-    """Params held + the largest chunk program + the packed params (per device)."""
+def bitwise_memory(step, params, rows, key) -> int:
+    """The peak bytes a bitwise step holds per device, each buffer counted once.
+
+    Held through the step: the params the caller holds, the flat params the pack
+    program makes (one copy per device: it is an argument of every chunk program)
+    and the partial sums of every chunk of a group (all dispatched at once). On top
+    of that, the largest of: a chunk program's other arguments (one chunk of rows,
+    the key, the ids) and its temp; the combine program (the stacked blocks, the
+    total, temp); the unpack program (the total, the grads, temp).
+    """
     (state,) = step._impl._plans.values()
-    chunk = max(memory(c) for c in state.executables.values())
-    flat = sum(
-        int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize // state.plan.layout.mesh.size
-        for v in state.pack(params)
-    )
-    return per_device_bytes(params) + chunk + flat
+    plan = state.plan
+    flat = sum(v.addressable_shards[0].data.nbytes for v in state.pack(params))
+    chunk = max((c.memory_analysis() for c in state.executables.values()), key=_total)
+    sums = chunk.output_size_in_bytes
+    chunk_rest = chunk.argument_size_in_bytes - flat + chunk.temp_size_in_bytes
+    slots = [
+        jax.ShapeDtypeStruct(
+            (plan.groups, plan.slots, n * plan.group_size), dt, sharding=state.slots_sharding
+        )
+        for n, dt in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
+    ]
+    combine = state.combine.lower(*slots).compile()
+    totals = [
+        jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=state.total_sharding)
+        for t in jax.eval_shape(state.combine, *slots)
+    ]
+    unpack = state.unpack.lower(totals).compile()
+    peak = max(chunk_rest, memory(combine), memory(unpack))
+    return per_device_bytes(params) + flat + plan.per_group * sums + peak
+
+
+def _total(m) -> int:
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
 
 
 def measure(layout: Layout, config, batch, quick):
@@ -92,11 +119,18 @@ def measure(layout: Layout, config, batch, quick):
     key = jax.random.key(0)
     default = unsplit.value_and_grad(loss, weighted=True, mesh=mesh)
     bitwise = unsplit.value_and_grad(loss, weighted=True, mesh=mesh, bitwise=True)
+    candidates = {
+        "default": lambda: default(params, rows, key),
+        "bitwise": lambda: bitwise(params, rows, key),
+    }
+    # Chunks per data-parallel group: default mode cut into as many microbatches runs
+    # programs of one chunk's rows per group, as the bitwise chunk programs do.
+    per_group = len(batch["inputs"]) // (CHUNK * layout.shape[0])
+    if per_group > 1:
+        chunked = unsplit.value_and_grad(loss, weighted=True, mesh=mesh, microbatches=per_group)
+        candidates["chunked"] = lambda: chunked(params, rows, key)
     timing = common.compare(
-        {
-            "default": lambda: default(params, rows, key),
-            "bitwise": lambda: bitwise(params, rows, key),
-        },
+        candidates,
         baseline="default",
         repeats=3 if quick else 15,
         inner=1,
@@ -112,12 +146,20 @@ def measure(layout: Layout, config, batch, quick):
         ref_params, batch, key
     )
     mem_default = memory(default.lower(params, rows, key).compile())
+    timing = {r.name: r for r in timing}
     return {
         "layout": layout.name,
-        "time": {r.name: r for r in timing}["bitwise"],
-        "memory": (bitwise_memory(bitwise, params), mem_default),
+        "time": timing["bitwise"],
+        "chunked": (per_group, timing.get("chunked")),
+        "memory": (bitwise_memory(bitwise, params, rows, key), mem_default),
         "identical": test_util.bits_equal(out, ref),
     }
+
+
+def chunked_cell(per_group: int, result) -> str:
+    if result is None:
+        return "- (one chunk per group)"
+    return f"{common.ratio_cell(result)} (microbatches={per_group})"
 
 
 def main() -> None:
@@ -129,6 +171,7 @@ def main() -> None:
     rows = [measure(layout, config, batch, args.quick) for layout in LAYOUTS]
     table = Table(title="bitwise / default mode, same shardings (batch 64, default chunk size 8)")
     header = ["layout", "step time: bitwise / default (median, min-max)",
+              "default mode in one-chunk programs (microbatches = chunks per group) / default",
               "memory per device: bitwise / default", "bit-identical to its reference"]  # fmt: skip
     for h in header:
         table.add_column(h)
@@ -137,7 +180,8 @@ def main() -> None:
         t, (mb, md) = r["time"], r["memory"]
         cells = [
             r["layout"],
-            f"{t.ratio_median:.2f}x ({t.ratio_min:.2f}-{t.ratio_max:.2f})",
+            common.ratio_cell(t),
+            chunked_cell(*r["chunked"]),
             f"{mb / 2**20:.1f} / {md / 2**20:.1f} MiB ({mb / md:.2f}x)",
             "yes" if r["identical"] else "NO",
         ]

@@ -2,7 +2,9 @@
 
 The program vmaps the one-example loss over each microbatch (keys by global id),
 runs the microbatches in a ``lax.scan`` (activation memory of one microbatch),
-and divides the global sums once by the global weight. The batch is sharded
+and divides the global sums once by the global weight (with one microbatch, the
+division seeds the backward pass, as ``jnp.mean``'s does: no pass over the grads
+after it, so the program is the plain step's). The batch is sharded
 over the layout's batch axes; params keep whatever sharding they have (replicated,
 FSDP over the batch axes, tensor parallel over model axes) and XLA inserts the
 collectives, exactly as for ``jax.jit(jax.value_and_grad(batched_loss))``. The
@@ -131,10 +133,12 @@ class DefaultStep:
             batch = jax.tree.map(lambda x: layout.constrain(x, P(layout.batch_entry)), batch)
             size = jax.tree.leaves(batch)[0].shape[0]
             ids = _id_words(ids, size, layout)
-            if k == 1:
-                (loss_sum, weight, grad_sums), aux = sums.example_sums(
-                    spec, structure, arrays, batch, key, ids, constrain_grads
+            dtypes = [jnp.result_type(a) for a in structure.diff_of(arrays)]
+            if k == 1:  # one pass: the division by the weight seeds the backward pass
+                (loss, weight, grads), aux = sums.example_sums(
+                    spec, structure, arrays, batch, key, ids, constrain_grads, normalized=True
                 )
+                grads = [g.astype(d) for g, d in zip(grads, dtypes, strict=True)]
             else:
                 xs = jax.tree.map(lambda x: layout.microbatched(x, k), (batch, ids))
 
@@ -157,8 +161,7 @@ class DefaultStep:
                 zeros = (*zeros, constrain_grads(grad_zeros))
                 (loss_sum, weight, grad_sums), aux = jax.lax.scan(body, zeros, xs)
                 aux = jax.tree.map(layout.unmicrobatched, aux)
-            dtypes = [jnp.result_type(a) for a in structure.diff_of(arrays)]
-            loss, grads = sums.normalize(loss_sum, weight, grad_sums, dtypes)
+                loss, grads = sums.normalize(loss_sum, weight, grad_sums, dtypes)
             aux = jax.tree.map(lambda x: layout.constrain(x, P(layout.batch_entry)), aux)
             return loss, constrain_grads(grads), aux, weight
 

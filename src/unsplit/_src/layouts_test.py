@@ -105,6 +105,35 @@ def test_sharded_params_match_one_device_and_keep_their_shardings(
         assert g.sharding == params[name].sharding, name
 
 
+def flops(compiled):
+    cost = compiled.cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+@pytest.mark.parametrize("layout", ["replicated", "tp"])
+def test_the_step_compiles_to_the_plain_steps_flops(layout, weighted):
+    # What a user writes without unsplit, drawing the same per-example keys: the step
+    # must not add work to it (e.g. a pass over the grads after the backward pass).
+    wide = {"w1": (D, 256), "b1": (256,), "w2": (256, C), "b2": (C,)}
+    params = {k: np.full(shape, 0.01, np.float32) for k, shape in wide.items()}
+    mesh = mesh_for(layout, 4, AxisType.Auto)
+    params = {
+        k: jax.device_put(v, NamedSharding(mesh, LAYOUTS[layout][k])) for k, v in params.items()
+    }
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+
+    def plain_loss(p, rows, key):
+        keys = unsplit.example_keys(key, jnp.arange(B))
+        out = jax.vmap(LOSSES[weighted], in_axes=(None, 0, 0))(p, rows, keys)
+        return jnp.sum(out[0]) / jnp.sum(out[1]) if weighted else jnp.mean(out)
+
+    plain = jax.jit(jax.value_and_grad(plain_loss)).lower(params, batch, KEY).compile()
+    step = unsplit.value_and_grad(LOSSES[weighted], weighted=weighted, mesh=mesh)
+    ours = step.lower(params, batch, KEY).compile()
+    assert flops(ours) <= 1.002 * flops(plain), (flops(ours), flops(plain))
+
+
 def test_negative_control_per_device_keys_do_differ():
     # The same layout with one key per device (shard_prng_key) is another computation.
     batch, params = make_batch(), init_params()

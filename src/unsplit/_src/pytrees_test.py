@@ -248,16 +248,24 @@ def test_sown_intermediates_are_not_state_updates():
 # ---------------------------------------------------------------- weights, host sync
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize("total", [0.0, -3.0, np.inf, np.nan])
-def test_invalid_total_weight_gives_nan_on_device(total):
-    def loss(w, ex, key):
-        return jnp.sum(ex["x"] @ w), ex["w"]
+def test_invalid_total_weight_gives_nan_on_device(total, microbatches):
+    def loss(p, ex, key):  # p["unused"]: a leaf the loss never reaches (its grad: 0 or nan)
+        return jnp.sum(ex["x"] @ p["w"]), ex["w"]
 
+    params = {"w": jnp.ones((4, 3)), "unused": jnp.ones((2,))}
     batch = {**xy_batch(8), "w": np.full((8,), total / 8, np.float32)}
     for fn in (lambda s: s, jax.jit):
-        step = fn(unsplit.value_and_grad(loss, weighted=True, microbatches=2, mesh=mesh_of(2)))
-        value, grads = step(jnp.ones((4, 3)), batch, KEY)
-        assert np.isnan(float(value)) and np.all(np.isnan(grads))
+        step = unsplit.value_and_grad(
+            loss, weighted=True, microbatches=microbatches, mesh=mesh_of(2)
+        )
+        value, grads = fn(step)(params, batch, KEY)
+        assert np.isnan(float(value))
+        assert all(np.all(np.isnan(g)) for g in jax.tree.leaves(grads))
+    batch["w"] = np.ones((8,), np.float32)
+    value, grads = step(params, batch, KEY)
+    assert np.isfinite(float(value)) and np.all(grads["unused"] == 0)
 
 
 def test_the_step_never_reads_from_the_device():

@@ -115,6 +115,8 @@ def example_sums(
     ids: keys_lib.Ids64,
     constrain_grads: Callable[[list[Any]], list[Any]] = lambda g: g,
     prepare: Callable[[list[Any]], list[Any]] = lambda a: a,
+    *,
+    normalized: bool = False,
 ):
     """Sums of (loss_sum, weight, grad) over a (micro)batch, and the per-example aux.
 
@@ -123,6 +125,12 @@ def example_sums(
     for bf16/f16 params), and ``aux`` is stacked over the batch (or ``None``).
     ``prepare`` maps the differentiable arrays to the ones the loss computes
     with (e.g. FSDP params gathered); gradients flow back through it.
+
+    ``normalized=True`` (the batch is the whole global batch): returns the
+    step's ``((loss, weight, grads), aux)`` instead, divided by the weight as
+    :func:`normalize` does. The division is the backward pass's seed (the
+    cotangent ``1 / weight``, as in ``jnp.mean``), so no pass over the grads is
+    added after the backward pass.
     """
     others = arrays
 
@@ -138,12 +146,30 @@ def example_sums(
         keys = keys_lib.example_keys(key, ids)
         compute = prepare(diff_arrays)
         loss_sums, weights, aux = jax.vmap(one, in_axes=(None, 0, 0))(compute, batch, keys)
-        return jnp.sum(loss_sums), (jax.lax.stop_gradient(jnp.sum(weights)), aux)
+        loss_sum, weight = jnp.sum(loss_sums), jax.lax.stop_gradient(jnp.sum(weights))
+        if normalized:
+            loss_sum = loss_sum / valid_weight(weight)
+        return loss_sum, (weight, aux)
 
     diff_arrays = layout.diff_of(arrays)
     (loss_sum, (weight, aux)), grads = jax.value_and_grad(total, has_aux=True)(diff_arrays)
+    if normalized:
+        # Grads of params the loss does not reach are 0 whatever the seed: nan them too.
+        # A cond, not a select: no pass over the grads when the weight is valid.
+        grads = jax.lax.cond(
+            jnp.isfinite(valid_weight(weight)),
+            lambda gs: gs,
+            lambda gs: [jnp.full_like(g, jnp.nan) for g in gs],
+            grads,
+        )
+        return (loss_sum, weight, constrain_grads(grads)), aux
     grads = constrain_grads([g.astype(wide_float(g.dtype)) for g in grads])
     return (loss_sum, weight, grads), aux
+
+
+def valid_weight(weight):
+    """The total weight if it is a positive finite number, else nan (computed on device)."""
+    return jnp.where((weight > 0) & jnp.isfinite(weight), weight, jnp.nan)
 
 
 def normalize(loss_sum, weight, grad_sums, dtypes):
@@ -153,8 +179,7 @@ def normalize(loss_sum, weight, grad_sums, dtypes):
     nan) gives nan loss and nan grads, computed on device (no host read-back).
     ``dtypes`` are the params' dtypes: each grad is cast back to its param's.
     """
-    valid = (weight > 0) & jnp.isfinite(weight)
-    weight = jnp.where(valid, weight, jnp.nan)
+    weight = valid_weight(weight)
     loss = loss_sum / weight
     grads = [(g / weight.astype(g.dtype)).astype(d) for g, d in zip(grad_sums, dtypes, strict=True)]
     return loss, grads
