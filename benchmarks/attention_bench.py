@@ -12,8 +12,10 @@ One table, every figure a ratio measured side by side in one run
   the three input gradients from ``jax.vjp`` with a given cotangent, each one
   jitted program; XLA's compiled temp memory of each. A third candidate,
   Flax's attention **without** dropout, shows what the two matmuls and the
-  softmax cost on their own: no dropout implementation can go below it.
-  Goal: fwd+bwd <= 0.5x Flax's time and no more temp memory.
+  softmax cost on their own: no dropout implementation can go below it; for
+  fwd+bwd a fourth, *the six matmuls alone* (``q k^T``, ``w v`` and the four of
+  the backward pass, no softmax, no mask), is the floor of any attention that
+  computes them. Goal: fwd+bwd <= 0.5x Flax's time and no more temp memory.
 
 Run: ``python benchmarks/attention_bench.py`` (``--quick`` for a smoke run
 that does not touch the docs).
@@ -29,6 +31,7 @@ import time
 import common
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from rich.console import Console
 from rich.table import Table
 
@@ -75,6 +78,18 @@ def fwd_bwd(fn):
     return run
 
 
+def six_matmuls(key, q, k, v, ct):
+    """The matmuls of attention's forward and backward pass, and nothing else."""
+    del key
+    w = jnp.einsum("...qhd,...khd->...hqk", q, k)
+    y = jnp.einsum("...hqk,...khd->...qhd", w, v)
+    dw = jnp.einsum("...qhd,...khd->...hqk", ct, v)
+    dv = jnp.einsum("...hqk,...qhd->...khd", w, ct)
+    dq = jnp.einsum("...hqk,...khd->...qhd", dw, k)
+    dk = jnp.einsum("...hqk,...qhd->...khd", dw, q)
+    return y, (dq, dk, dv)
+
+
 def cpu_ratios(candidates: dict, baseline: str, repeats: int) -> dict[str, float]:
     """Median per-round ratio of process CPU time (all threads) to the baseline's.
 
@@ -113,6 +128,8 @@ def rows(setup: Setup) -> list[list[str]]:
             fns = {name: wrap(attend(fn, broadcast)) for name, fn in CANDIDATES.items()}
             if not broadcast:
                 fns["flax, no dropout"] = wrap(attend(None, broadcast, dropout=False))
+                if mode == "fwd+bwd":
+                    fns["the six matmuls alone"] = six_matmuls
             progs = {name: jax.jit(fn) for name, fn in fns.items()}
             calls = {name: (lambda p=p, a=args: p(*a)) for name, p in progs.items()}
             results = common.compare(
@@ -158,7 +175,9 @@ def render(table_rows: list[list[str]], setup: Setup) -> str:
         "(with dropout, same `broadcast_dropout`) within each round. *fwd+bwd* is `jax.vjp` "
         "returning the output and the gradients of q, k and v for a given cotangent, in one "
         "jitted program. *flax, no dropout* is Flax's attention with `deterministic=True`: "
-        "the matmuls and softmax alone, the floor for any dropout. *CPU time* is the process's "
+        "the matmuls and softmax alone, the floor for any dropout. *the six matmuls alone* "
+        "are the forward and backward matmuls with no softmax and no mask, the floor for any "
+        "attention that computes them. *CPU time* is the process's "
         "CPU time (all threads) per call, ratio per round, median: on a machine shared with "
         "other jobs wall time also counts waiting for a core. Memory: XLA compiled temp "
         "bytes (goal: not more than Flax's).\n\n"
