@@ -101,8 +101,8 @@ def measure(name, shape, specs, host, xs, quick) -> dict:
     timing = common.compare(
         {"plain": run_plain, "unsplit": run_ours},
         baseline="plain",
-        repeats=3 if quick else 15,
-        inner=1,
+        repeats=3 if quick else 31,
+        inner=1 if quick else 3,
     )
     _, grads = run_ours()
     return {
