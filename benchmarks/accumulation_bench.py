@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from rich.console import Console
-from rich.table import Table
 
 import unsplit
 from unsplit.models import (
@@ -282,12 +281,7 @@ def print_tables(report: Report) -> None:
         ),
         ("compiled temp memory", ["program", "temp", "vs one microbatch"], report.mem_rows),
     ):
-        table = Table(title=title)
-        for h in header:
-            table.add_column(h)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+        common.print_table(title, header, rows, width=150)
 
 
 def main(argv: list[str] | None = None) -> None:

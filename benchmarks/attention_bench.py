@@ -32,8 +32,6 @@ import common
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from rich.console import Console
-from rich.table import Table
 
 from unsplit import linen as ulinen
 
@@ -189,12 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     args = common.bench_parser(__doc__).parse_args(argv)
     setup = QUICK if args.quick else FULL
     table_rows = rows(setup)
-    table = Table(title="attention dropout: candidate / flax")
-    for h in HEADER:
-        table.add_column(h)
-    for row in table_rows:
-        table.add_row(*row)
-    Console(width=180).print(table)
+    common.print_table("attention dropout: candidate / flax", HEADER, table_rows, width=180)
     if common.should_write(args):
         print(f"wrote {common.write_table(DOC, MARKER, render(table_rows, setup))}")
 

@@ -27,8 +27,6 @@ import common
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
-from rich.console import Console
-from rich.table import Table
 
 import unsplit
 from unsplit._src import test_util
@@ -169,27 +167,25 @@ def main() -> None:
         config = TransformerConfig(vocab=32, length=16, width=32, heads=2, layers=1)
     batch = jax.tree.map(np.asarray, synthetic_batch(config, 64, seed=1))
     rows = [measure(layout, config, batch, args.quick) for layout in LAYOUTS]
-    table = Table(title="bitwise / default mode, same shardings (batch 64, default chunk size 8)")
     header = ["layout", "step time: bitwise / default (median, min-max)",
               "default mode in one-chunk programs (microbatches = chunks per group) / default",
               "memory per device: bitwise / default", "bit-identical to its reference"]  # fmt: skip
-    for h in header:
-        table.add_column(h)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cells = []
     for r in rows:
         t, (mb, md) = r["time"], r["memory"]
-        cells = [
-            r["layout"],
-            common.ratio_cell(t),
-            chunked_cell(*r["chunked"]),
-            f"{mb / 2**20:.1f} / {md / 2**20:.1f} MiB ({mb / md:.2f}x)",
-            "yes" if r["identical"] else "NO",
-        ]
-        table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
-    Console().print(table)
+        cells.append(
+            [
+                r["layout"],
+                common.ratio_cell(t),
+                chunked_cell(*r["chunked"]),
+                f"{mb / 2**20:.1f} / {md / 2**20:.1f} MiB ({mb / md:.2f}x)",
+                "yes" if r["identical"] else "NO",
+            ]
+        )
+    title = "bitwise / default mode, same shardings (batch 64, default chunk size 8)"
+    common.print_table(title, header, cells)
     if common.should_write(args):
-        common.write_table(DOC, MARKER, "\n".join(lines))
+        common.write_table(DOC, MARKER, common.markdown_table(header, cells))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,19 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def print_table(title: str, header: list[str], rows: list[list[str]], width: int | None = None):
+    """The table on the terminal (rich), as the docs get it from :func:`markdown_table`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for h in header:
+        table.add_column(h)
+    for row in rows:
+        table.add_row(*row)
+    Console(width=width).print(table)
+
+
 def environment_line() -> str:
     return (
         f"Measured {datetime.date.today().isoformat()} on {platform.machine()} "

@@ -31,8 +31,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from rich.console import Console
-from rich.table import Table
 
 import unsplit
 from unsplit import linen as ulinen
@@ -244,26 +242,19 @@ def render_block(rows, setup: Setup) -> str:
     )
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    table = Table(title=title)
-    for h in header:
-        table.add_column(h)
-    for row in rows:
-        table.add_row(*row)
-    Console(width=160).print(table)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = common.bench_parser(__doc__)
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
     write = common.should_write(args)
     rows = layer_rows(setup)
-    print_table("dropout layer: unsplit vs flax", LAYER_HEADER, rows)
+    common.print_table("dropout layer: unsplit vs flax", LAYER_HEADER, rows, width=160)
     if write:
         print(f"wrote {common.write_table(DOC, 'dropout-layer', render_layer(rows, setup))}")
     rows = transformer_rows(setup)
-    print_table("transformer train step: unsplit vs flax dropouts", BLOCK_HEADER, rows)
+    common.print_table(
+        "transformer train step: unsplit vs flax dropouts", BLOCK_HEADER, rows, width=160
+    )
     if write:
         print(f"wrote {common.write_table(DOC, 'transformer-block', render_block(rows, setup))}")
 

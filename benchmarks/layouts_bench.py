@@ -29,8 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from rich.console import Console
-from rich.table import Table
 
 import unsplit
 
@@ -129,31 +127,26 @@ def main() -> None:
         measure(name, shape, specs, host, xs, args.quick)
         for name, (shape, specs) in LAYOUTS.items()
     ]
-    table = Table(title=f"unsplit default step vs plain jit, same shardings (MLP {width}x{width})")
-    for col in ("layout", "memory / device (unsplit / plain)", "FLOPs / device", "step time",
-                "calls return at (unsplit / plain)", "grads keep params' sharding"):  # fmt: skip
-        table.add_column(col)
-    lines = [
-        "| layout | memory per device: unsplit / plain | FLOPs per device | step time "
-        "(median, min-max) | 5 calls return at, fraction of done: unsplit / plain | grads "
-        "sharded like params |",
-        "|---|---|---|---|---|---|",
-    ]
+    header = ["layout", "memory per device: unsplit / plain", "FLOPs per device",
+              "step time (median, min-max)", "5 calls return at, fraction of done: unsplit / plain",
+              "grads sharded like params"]  # fmt: skip
+    cells = []
     for r in rows:
         (mo, mp), (fo, fp), t, (ao, ap) = r["memory"], r["flops"], r["time"], r["async"]
-        cells = [
-            r["layout"],
-            f"{mo / 2**20:.1f} / {mp / 2**20:.1f} MiB ({mo / mp:.2f}x)",
-            f"{fo / fp:.3f}x",
-            f"{t.ratio_median:.2f}x ({t.ratio_min:.2f}-{t.ratio_max:.2f})",
-            f"{ao:.2f} / {ap:.2f}",
-            "yes" if r["grads_sharded_like_params"] else "NO",
-        ]
-        table.add_row(*cells)
-        lines.append("| " + " | ".join(cells) + " |")
-    Console().print(table)
+        cells.append(
+            [
+                r["layout"],
+                f"{mo / 2**20:.1f} / {mp / 2**20:.1f} MiB ({mo / mp:.2f}x)",
+                f"{fo / fp:.3f}x",
+                common.ratio_cell(t),
+                f"{ao:.2f} / {ap:.2f}",
+                "yes" if r["grads_sharded_like_params"] else "NO",
+            ]
+        )
+    title = f"unsplit default step vs plain jit, same shardings (MLP {width}x{width})"
+    common.print_table(title, header, cells)
     if common.should_write(args):
-        common.write_table(DOC, MARKER, "\n".join(lines))
+        common.write_table(DOC, MARKER, common.markdown_table(header, cells))
 
 
 if __name__ == "__main__":

@@ -31,8 +31,6 @@ import common
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from rich.console import Console
-from rich.table import Table
 
 import unsplit
 from unsplit.models import (
@@ -199,14 +197,8 @@ def render(rows, text: str) -> str:
 
 
 def print_table(rows, text: str) -> None:
-    console = Console(width=150)
-    console.print(text)
-    table = Table(title="unsplit.value_and_grad scaling")
-    for h in HEADER:
-        table.add_column(h)
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    print(text)
+    common.print_table("unsplit.value_and_grad scaling", HEADER, rows, width=150)
 
 
 def main(argv: list[str] | None = None) -> None:
