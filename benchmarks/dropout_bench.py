@@ -64,7 +64,7 @@ FULL = Setup(
     shape=(64, 128, 512),
     config=TransformerConfig(vocab=256, length=64, width=128, heads=4, layers=2),
     batch=16,
-    repeats=15,
+    repeats=31,
     inner=3,
     warmup=2,
 )
