@@ -1,7 +1,8 @@
 """Bitwise mode vs default mode, per params layout, at the same shardings.
 
 For each layout -- replicated params (data=8), FSDP over ``data`` (data=8), tensor
-parallel (data=4, model=2) -- the same step (the test transformer's weighted token
+parallel (data=4, model=2) in Megatron's layout and with every matrix's last dimension
+sharded (activations sharded on features: many collectives per layer) -- the same step (the test transformer's weighted token
 loss with dropout, batch 64) runs in default mode and with ``bitwise=True`` (default
 chunk size), side by side in alternating rounds. Reported per layout:
 
@@ -49,7 +50,8 @@ class Layout:
 LAYOUTS = [
     Layout("replicated (data=8)", (8, 1), "replicated"),
     Layout("FSDP (data=8)", (8, 1), "fsdp"),
-    Layout("tensor parallel (data=4, model=2)", (4, 2), "tp"),
+    Layout("tensor parallel, Megatron (data=4, model=2)", (4, 2), "megatron"),
+    Layout("tensor parallel, every matrix's last dim (data=4, model=2)", (4, 2), "tp"),
 ]
 
 
@@ -58,6 +60,8 @@ def specs_for(layout: Layout, params):
         return test_util.fsdp_specs(params, "data", 8)
     if layout.specs == "tp":
         return test_util.tensor_parallel_specs(params)
+    if layout.specs == "megatron":
+        return test_util.megatron_specs(params)
     return jax.tree.map(lambda _: jax.P(), params)
 
 
@@ -134,8 +138,8 @@ def measure(layout: Layout, config, batch, quick):
         inner=1,
     )
     out = bitwise(params, rows, key)
-    one = mesh if layout.specs == "tp" else None
-    if layout.specs == "tp":
+    one = None
+    if layout.specs in ("tp", "megatron"):
         one = jax.make_mesh((1, 2), ("data", "model"), axis_types=AUTO)
         ref_params = test_util.replicated(host, one, specs_for(layout, host))
     else:

@@ -1,7 +1,8 @@
 """Bitwise mode on users' layouts: tensor parallel, FSDP, both; and the jitted train step.
 
 * tensor parallel: at a fixed model-parallel size (2), the bits are the same for
-  every data-parallel degree (1, 2, 4) and microbatch count;
+  every data-parallel degree (1, 2, 4) and microbatch count (every matrix's last
+  dimension sharded, and Megatron's layout);
 * FSDP (params sharded over the batch axis) gives the same bits as replicated
   params, and the grads come back with the params' shardings;
 * ``bitwise_train_step``: 50 Adam steps, jitted and donated, end in the same bits
@@ -49,6 +50,19 @@ def tensor_parallel(data, microbatches=1):
     mesh = jax.make_mesh((data, 2), ("data", "model"), axis_types=(AUTO, AUTO))
     params = placed(mesh, testing.tensor_parallel_specs(PARAMS))
     return run(mesh, params, microbatches), params
+
+
+@functools.cache
+def megatron(data):
+    mesh = jax.make_mesh((data, 2), ("data", "model"), axis_types=(AUTO, AUTO))
+    return run(mesh, placed(mesh, testing.megatron_specs(PARAMS)))
+
+
+@pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
+def test_megatron_tensor_parallel_bits_do_not_depend_on_the_data_parallel_degree():
+    specs = jax.tree.leaves(testing.megatron_specs(PARAMS), is_leaf=lambda x: isinstance(x, P))
+    assert sum("model" in s for s in specs) >= 8  # heads, MLP columns and rows are sharded
+    assert testing.bits_equal(megatron(4), megatron(1))
 
 
 @pytest.mark.parametrize("data,microbatches", [(2, 1), (4, 2), (1, 4)])
