@@ -9,6 +9,7 @@ chunk size), side by side in alternating rounds. Reported per layout:
 * step time, bitwise / default: median ratio with min and max (goal <= 1.10x);
 * default mode cut into as many microbatches as a group has chunks, / default: the
   cost of running the same layout in programs of one chunk's rows (tensor parallel);
+* the collectives XLA put in a chunk program (each runs once per chunk);
 * per-device memory, bitwise / default (goal <= 1.25x). Default mode: XLA's memory
   analysis of its one program (arguments + outputs + temp). Bitwise mode: the peak a
   step holds, each buffer once (see ``bitwise_memory``);
@@ -23,6 +24,7 @@ untouched).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import common
 import jax
@@ -88,7 +90,7 @@ def bitwise_memory(step, params, rows, key) -> int:
     (state,) = step._impl._plans.values()
     plan = state.plan
     flat = sum(v.addressable_shards[0].data.nbytes for v in state.pack(params))
-    chunk = max((c.memory_analysis() for c in state.executables.values()), key=_total)
+    chunk = max(state.executables.values(), key=memory).memory_analysis()
     sums = chunk.output_size_in_bytes
     chunk_rest = chunk.argument_size_in_bytes - flat + chunk.temp_size_in_bytes
     slots = [
@@ -107,8 +109,13 @@ def bitwise_memory(step, params, rows, key) -> int:
     return per_device_bytes(params) + flat + plan.per_group * sums + peak
 
 
-def _total(m) -> int:
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+def collectives(step) -> int:
+    """Collective ops (all-reduce, all-gather, ...) in the largest chunk program."""
+    (state,) = step._impl._plans.values()
+    kinds = "all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all"
+    return max(
+        len(re.findall(rf"= \S+ ({kinds})\(", c.as_text())) for c in state.executables.values()
+    )
 
 
 def measure(layout: Layout, config, batch, quick):
@@ -155,6 +162,7 @@ def measure(layout: Layout, config, batch, quick):
         "chunked": (per_group, timing.get("chunked")),
         "memory": (bitwise_memory(bitwise, params, rows, key), mem_default),
         "identical": test_util.bits_equal(out, ref),
+        "collectives": collectives(bitwise),
     }
 
 
@@ -173,6 +181,7 @@ def main() -> None:
     rows = [measure(layout, config, batch, args.quick) for layout in LAYOUTS]
     header = ["layout", "step time: bitwise / default (median, min-max)",
               "default mode in one-chunk programs (microbatches = chunks per group) / default",
+              "collectives per chunk program",
               "memory per device: bitwise / default", "bit-identical to its reference"]  # fmt: skip
     cells = []
     for r in rows:
@@ -182,6 +191,7 @@ def main() -> None:
                 r["layout"],
                 common.ratio_cell(t),
                 chunked_cell(*r["chunked"]),
+                str(r["collectives"]),
                 f"{mb / 2**20:.1f} / {md / 2**20:.1f} MiB ({mb / md:.2f}x)",
                 "yes" if r["identical"] else "NO",
             ]

@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from unsplit._src import bitwise_plan, sums, validate
+from unsplit._src import bitwise_plan, reduce, sums, validate
 from unsplit._src import bitwise_programs as programs
 from unsplit._src import keys as keys_lib
 from unsplit._src.layout import Layout, move_onto, named_spec
@@ -201,9 +201,10 @@ class _Compiled:
             group_vectors, chunks, group_key = inputs[g]
             run_chunk = self.executables[g]
             outs = [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
-            blocks[g] = _binary_counter(
-                [sums for sums, _ in outs], g * plan.per_group, programs.add_blocks
-            )
+            acc = reduce.Accumulator(add=programs.add_blocks)
+            for i, (chunk_sums, _) in enumerate(outs):
+                acc.push(g * plan.per_group + i, chunk_sums)
+            blocks[g] = list(acc.blocks.values())  # left to right
             if self.owner.spec.has_aux:
                 auxes[g] = programs.concat_rows([aux for _, aux in outs])
         stacked = {g: programs.stack_blocks(blocks[g], plan.slots) for g in self.local_groups}
@@ -278,23 +279,6 @@ class _Compiled:
             )
 
         return jax.tree.map(assemble, *per_group)
-
-
-def _binary_counter(values: list, first: int, add) -> list:
-    """Chunk sums ``first, first + 1, ...`` -> the aligned blocks of the canonical tree.
-
-    Like a binary counter over the global chunk index: a new chunk merges with the
-    block on top while that block is its left sibling (same size, aligned), so
-    every add is one of the tree's, whatever the schedule.
-    """
-    stack: list[tuple[int, int, Any]] = []  # (first chunk, size, sums)
-    for i, value in enumerate(values):
-        low, size = first + i, 1
-        while stack and stack[-1][1] == size and stack[-1][0] % (2 * size) == 0:
-            left_low, _, left = stack.pop()
-            value, low, size = add(left, value), left_low, 2 * size
-        stack.append((low, size, value))
-    return [value for _, _, value in stack]
 
 
 class _Placer:
