@@ -12,10 +12,13 @@ One table, every figure a ratio measured side by side in one run
   the three input gradients from ``jax.vjp`` with a given cotangent, each one
   jitted program; XLA's compiled temp memory of each. A third candidate,
   Flax's attention **without** dropout, shows what the two matmuls and the
-  softmax cost on their own: no dropout implementation can go below it; for
-  fwd+bwd a fourth, *the six matmuls alone* (``q k^T``, ``w v`` and the four of
-  the backward pass, no softmax, no mask), is the floor of any attention that
-  computes them. Goal: fwd+bwd <= 0.5x Flax's time and no more temp memory.
+  softmax cost on their own (in Flax's layout). For fwd+bwd, *the six matmuls
+  alone* (``q k^T``, ``w v`` and the four of the backward pass, no softmax, no
+  mask) are timed in two layouts: Flax's einsums, and head-major (``q, k, v``
+  moved to ``[batch, heads, length, d]`` and the output back, as unsplit's
+  value contraction does): the matmuls' own cost, which depends on the layout
+  more than on anything else on this CPU. Goal: fwd+bwd <= 0.5x Flax's time and
+  no more temp memory.
 
 Run: ``python benchmarks/attention_bench.py`` (``--quick`` for a smoke run
 that does not touch the docs).
@@ -77,7 +80,7 @@ def fwd_bwd(fn):
 
 
 def six_matmuls(key, q, k, v, ct):
-    """The matmuls of attention's forward and backward pass, and nothing else."""
+    """The matmuls of attention's forward and backward pass in Flax's layout, nothing else."""
     del key
     w = jnp.einsum("...qhd,...khd->...hqk", q, k)
     y = jnp.einsum("...hqk,...khd->...qhd", w, v)
@@ -86,6 +89,19 @@ def six_matmuls(key, q, k, v, ct):
     dq = jnp.einsum("...hqk,...khd->...qhd", dw, k)
     dk = jnp.einsum("...hqk,...qhd->...khd", dw, q)
     return y, (dq, dk, dv)
+
+
+def six_matmuls_head_major(key, q, k, v, ct):
+    """The same six matmuls on ``[batch, heads, length, d]`` operands (moved there and back)."""
+    del key
+    q, k, v, ct = (jnp.swapaxes(a, -2, -3) for a in (q, k, v, ct))
+    w = jnp.einsum("...hqd,...hkd->...hqk", q, k)
+    y = jnp.einsum("...hqk,...hkd->...hqd", w, v)
+    dw = jnp.einsum("...hqd,...hkd->...hqk", ct, v)
+    dv = jnp.einsum("...hqk,...hqd->...hkd", w, ct)
+    dq = jnp.einsum("...hqk,...hkd->...hqd", dw, k)
+    dk = jnp.einsum("...hqk,...hqd->...hkd", dw, q)
+    return tuple(jnp.swapaxes(a, -2, -3) for a in (y, dq, dk, dv))
 
 
 def cpu_ratios(candidates: dict, baseline: str, repeats: int) -> dict[str, float]:
@@ -127,7 +143,8 @@ def rows(setup: Setup) -> list[list[str]]:
             if not broadcast:
                 fns["flax, no dropout"] = wrap(attend(None, broadcast, dropout=False))
                 if mode == "fwd+bwd":
-                    fns["the six matmuls alone"] = six_matmuls
+                    fns["the six matmuls alone, Flax's layout"] = six_matmuls
+                    fns["the six matmuls alone, head-major"] = six_matmuls_head_major
             progs = {name: jax.jit(fn) for name, fn in fns.items()}
             calls = {name: (lambda p=p, a=args: p(*a)) for name, p in progs.items()}
             results = common.compare(
@@ -173,9 +190,10 @@ def render(table_rows: list[list[str]], setup: Setup) -> str:
         "(with dropout, same `broadcast_dropout`) within each round. *fwd+bwd* is `jax.vjp` "
         "returning the output and the gradients of q, k and v for a given cotangent, in one "
         "jitted program. *flax, no dropout* is Flax's attention with `deterministic=True`: "
-        "the matmuls and softmax alone, the floor for any dropout. *the six matmuls alone* "
-        "are the forward and backward matmuls with no softmax and no mask, the floor for any "
-        "attention that computes them. *CPU time* is the process's "
+        "its matmuls and softmax alone. *the six matmuls alone* "
+        "are the forward and backward matmuls with no softmax and no mask, in Flax's einsum "
+        "layout and head-major (`[batch, heads, length, d]`, the layout of unsplit's value "
+        "contraction; the operands moved there and back). *CPU time* is the process's "
         "CPU time (all threads) per call, ratio per round, median: on a machine shared with "
         "other jobs wall time also counts waiting for a core. Memory: XLA compiled temp "
         "bytes (goal: not more than Flax's).\n\n"

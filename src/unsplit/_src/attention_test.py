@@ -5,6 +5,7 @@ import inspect
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit import linen as ulinen
 from unsplit import nnx as unnx
-from unsplit._src import random
+from unsplit._src import attention, random
 from unsplit._src.attention import attention_dropout
 
 KEY = jax.random.key(0)
@@ -336,3 +337,56 @@ def test_explicit_sharding_gives_the_unsharded_result(broadcast):
         got = jax.jit(attend)(*sharded, KEY)
     assert jax.typeof(got).sharding.spec == spec
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [(), (2,), (2, 3)])
+def test_head_major_value_contraction_is_flax_einsum(batch):
+    w = jax.nn.softmax(jax.random.normal(jax.random.key(3), (*batch, 4, 6, 5)), axis=-1)
+    v = jax.random.normal(jax.random.key(4), (*batch, 5, 4, 8))
+    got = attention.weights_times_value(jnp.einsum, w, v)
+    want = jnp.einsum("...hqk,...khd->...qhd", w, v)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_users_own_einsums_get_flax_subscripts():
+    q, k, v = qkv()
+    seen = []
+
+    def einsum(subscripts, *operands):
+        seen.append(subscripts)
+        return jnp.einsum(subscripts, *operands)
+
+    ulinen.dot_product_attention(
+        q,
+        k,
+        v,
+        dropout_rng=KEY,
+        dropout_rate=0.3,
+        qk_attn_weights_einsum=einsum,
+        attn_weights_value_einsum=einsum,
+    )
+    assert seen == ["...qhd,...khd->...hqk", "...hqk,...khd->...qhd"]
+
+
+@pytest.mark.parametrize("api", list(FUNCTIONS))
+def test_with_dropout_the_value_contraction_runs_head_major(api):
+    """No transpose of the weights [batch, heads, q, k]: XLA's CPU matmuls run them as stored."""
+    ours, _ = FUNCTIONS[api]
+    q, k, v = qkv(batch=(2,), length=16, heads=3, depth=4)
+    attend = functools.partial(ours, dropout_rng=KEY, dropout_rate=0.1, broadcast_dropout=False)
+
+    def eqns(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from eqns(sub)
+
+    weights_shape = (2, 3, 16, 16)
+    value_dot = next(
+        e
+        for e in eqns(jax.make_jaxpr(attend)(q, k, v).jaxpr)
+        if e.primitive.name == "dot_general" and tuple(e.invars[0].aval.shape) == weights_shape
+    )
+    _, batch_dims = value_dot.params["dimension_numbers"]
+    assert batch_dims == ((0, 1), (0, 1))  # (batch, heads) lead in both operands
