@@ -23,8 +23,9 @@ mask, which comes from :func:`attention_dropout`:
 * one threefry hash serves four weights, and the backward pass draws the mask
   again instead of storing it;
 * kept weights are divided by the keep probability the 16-bit threshold gives,
-  so the expectation is exact; ``dropout_rate == 1`` gives zero weights (Flax's
-  gives NaN: it divides by a keep probability of 0);
+  so the expectation is exact; ``dropout_rate == 1`` gives zero weights where
+  Flax accepts that rate (Flax's gives NaN: it divides by a keep probability of
+  0); where Flax refuses it (nnx since Flax 0.12.12), ours raises Flax's error;
 * the dropped weights are contracted with the values head-major (see
   :func:`weights_times_value`): the same products and sums as Flax's einsum,
   a faster layout for XLA's CPU matmuls.
@@ -79,11 +80,7 @@ def attention_dropout(
     """
     rate = check_rate(rate)
     if key is None:
-        raise TypeError(
-            f"dot_product_attention draws a dropout mask (dropout_rate={rate}, "
-            "deterministic=False) but got dropout_rng=None. Fix: pass dropout_rng=key, or "
-            "deterministic=True (the attention modules pass self.make_rng('dropout'))."
-        )
+        raise TypeError(missing_rng_message(rate))
     data = random.key_data(key)
     if rate == 1.0:  # every weight dropped; no division by a keep probability of 0
         return weights * jnp.zeros((), dtype)
@@ -122,6 +119,14 @@ def weights_times_value(einsum: Callable[..., Array], weights: Array, value: Arr
     """
     head_major = einsum("...hqk,...hkd->...hqd", weights, jnp.swapaxes(value, -2, -3))
     return jnp.swapaxes(head_major, -2, -3)
+
+
+def missing_rng_message(rate: Any) -> str:
+    return (
+        f"dot_product_attention draws a dropout mask (dropout_rate={rate}, "
+        "deterministic=False) but got dropout_rng=None. Fix: pass dropout_rng=key, or "
+        "deterministic=True (the attention modules pass self.make_rng('dropout'))."
+    )
 
 
 def linen_dot_product_attention(
@@ -272,11 +277,21 @@ def nnx_dot_product_attention(
             module=module,
             **options,
         )
-    # Flax's own checks of q, k and v, on shapes only (nothing runs).
-    flax_shape = functools.partial(
-        nnx_attention.dot_product_attention, deterministic=True, **options
-    )
-    jax.eval_shape(flax_shape, query, key, value, bias, mask)
+
+    # Flax's own checks of these very arguments, on shapes only (nothing runs): whatever this
+    # Flax version raises, ours raises (Flax 0.12.12 added a rate check and a ValueError for a
+    # missing dropout_rng; 0.12.8 has neither).
+    def flax_shape(query, key, value, bias, mask, dropout_rng):
+        return nnx_attention.dot_product_attention(
+            query, key, value, bias, mask, dropout_rng=dropout_rng, deterministic=False, **options
+        )
+
+    try:
+        jax.eval_shape(flax_shape, query, key, value, bias, mask, dropout_rng)
+    except Exception as error:
+        if dropout_rng is None:  # Flax's error type, with the fix spelled out
+            raise type(error)(missing_rng_message(dropout_rate)) from error
+        raise
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     weights = nnx_attention.dot_product_attention_weights(
         query,
