@@ -281,17 +281,29 @@ def nnx_dot_product_attention(
     # Flax's own checks of these very arguments, on shapes only (nothing runs): whatever this
     # Flax version raises, ours raises (Flax 0.12.12 added a rate check and a ValueError for a
     # missing dropout_rng; 0.12.8 has neither).
-    def flax_shape(query, key, value, bias, mask, dropout_rng):
-        return nnx_attention.dot_product_attention(
-            query, key, value, bias, mask, dropout_rng=dropout_rng, deterministic=False, **options
-        )
+    def flax_checks(dropout_rng, deterministic=False):
+        def flax_shape(query, key, value, bias, mask, dropout_rng):
+            return nnx_attention.dot_product_attention(
+                query,
+                key,
+                value,
+                bias,
+                mask,
+                dropout_rng=dropout_rng,
+                deterministic=deterministic,
+                **options,
+            )
 
-    try:
         jax.eval_shape(flax_shape, query, key, value, bias, mask, dropout_rng)
-    except Exception as error:
-        if dropout_rng is None:  # Flax's error type, with the fix spelled out
+
+    if dropout_rng is None:
+        flax_checks(None, deterministic=True)  # the checks of everything else first, as Flax
+        try:
+            flax_checks(None)
+        except Exception as error:  # Flax's error type for the missing key, with the fix
             raise type(error)(missing_rng_message(dropout_rate)) from error
-        raise
+        raise TypeError(missing_rng_message(dropout_rate))
+    flax_checks(dropout_rng)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     weights = nnx_attention.dot_product_attention_weights(
         query,

@@ -177,6 +177,7 @@ def test_errors_are_flax_own(api):
     q, k, v = qkv()
     cases = [
         lambda f: f(q, k, v, dropout_rate=0.1),  # no dropout_rng
+        lambda f: f(q, k, v[..., :5, :, :], dropout_rate=0.1),  # no dropout_rng, bad lengths
         lambda f: f(q, k, v[..., :5, :, :], dropout_rng=KEY, dropout_rate=0.1),  # k, v lengths
         lambda f: f(q, k[0], v, dropout_rng=KEY, dropout_rate=0.1),  # ranks
     ]
