@@ -265,8 +265,9 @@ def nnx_dot_product_attention(
         promote_dtype=promote_dtype,
         is_causal=is_causal,
     )
+    flax = functools.partial(nnx_attention.dot_product_attention, **options)
     if deterministic or not dropout_rate > 0.0:
-        return nnx_attention.dot_product_attention(
+        return flax(
             query,
             key,
             value,
@@ -275,26 +276,14 @@ def nnx_dot_product_attention(
             dropout_rng=dropout_rng,
             deterministic=deterministic,
             module=module,
-            **options,
         )
 
     # Flax's own checks of these very arguments, on shapes only (nothing runs): whatever this
     # Flax version raises, ours raises (Flax 0.12.12 added a rate check and a ValueError for a
     # missing dropout_rng; 0.12.8 has neither).
     def flax_checks(dropout_rng, deterministic=False):
-        def flax_shape(query, key, value, bias, mask, dropout_rng):
-            return nnx_attention.dot_product_attention(
-                query,
-                key,
-                value,
-                bias,
-                mask,
-                dropout_rng=dropout_rng,
-                deterministic=deterministic,
-                **options,
-            )
-
-        jax.eval_shape(flax_shape, query, key, value, bias, mask, dropout_rng)
+        checked = functools.partial(flax, deterministic=deterministic)
+        jax.eval_shape(checked, query, key, value, bias, mask, dropout_rng=dropout_rng)
 
     if dropout_rng is None:
         flax_checks(None, deterministic=True)  # the checks of everything else first, as Flax
