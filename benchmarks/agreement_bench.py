@@ -46,8 +46,8 @@ def worker(quick: bool) -> dict:
     import numpy as np
 
     import unsplit
-    from unsplit._src import agreement
-    from unsplit._src import fingerprint as fp
+    from unsplit._src.processes import agreement
+    from unsplit._src.processes import fingerprint as fp
     from unsplit._src.test_util import replicated
     from unsplit.models import (
         Transformer,

@@ -33,7 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 
 import unsplit
 from unsplit._src import test_util
-from unsplit._src.bitwise_plan import DEFAULT_CHUNK
+from unsplit._src.bitwise.plan import DEFAULT_CHUNK
 from unsplit.models import Transformer, TransformerConfig, init_params, synthetic_batch, token_loss
 
 MARKER = "bitwise"

@@ -17,20 +17,20 @@ from unsplit import linen as linen
 from unsplit import models as models
 from unsplit import nnx as nnx
 from unsplit import testing as testing
-from unsplit._src.agreement import AgreementError as AgreementError
-from unsplit._src.audit import audit as audit
-from unsplit._src.audit import audit_step as audit_step
-from unsplit._src.audit_finding import AuditError as AuditError
-from unsplit._src.audit_finding import Finding as Finding
-from unsplit._src.distributed import global_batch as global_batch
-from unsplit._src.dropout import dropout as dropout
+from unsplit._src.audit.api import audit as audit
+from unsplit._src.audit.api import audit_step as audit_step
+from unsplit._src.audit.finding import AuditError as AuditError
+from unsplit._src.audit.finding import Finding as Finding
+from unsplit._src.dropout.functional import dropout as dropout
 from unsplit._src.keys import Ids64 as Ids64
 from unsplit._src.keys import example_keys as example_keys
 from unsplit._src.keys import ids64 as ids64
-from unsplit._src.state_guard import DroppedStateError as DroppedStateError
-from unsplit._src.step import Step as Step
-from unsplit._src.step import value_and_grad as value_and_grad
+from unsplit._src.processes.agreement import AgreementError as AgreementError
+from unsplit._src.processes.global_batch import global_batch as global_batch
+from unsplit._src.step.state_guard import DroppedStateError as DroppedStateError
 from unsplit._src.train_step import bitwise_train_step as bitwise_train_step
+from unsplit._src.value_and_grad import Step as Step
+from unsplit._src.value_and_grad import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
 

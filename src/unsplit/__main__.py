@@ -1,6 +1,6 @@
 """``python -m unsplit`` runs the command-line interface."""
 
-from unsplit._src.cli import main
+from unsplit.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

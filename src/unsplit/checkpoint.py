@@ -6,7 +6,7 @@ run's invariance settings; ``restore(like=state)`` reads the state onto this
 run's mesh and processes after checking the settings. See docs/elastic.md.
 """
 
-from unsplit._src.checkpoint import Checkpointer as Checkpointer
-from unsplit._src.checkpoint import SettingsMismatch as SettingsMismatch
+from unsplit._src.elastic.checkpoint import Checkpointer as Checkpointer
+from unsplit._src.elastic.checkpoint import SettingsMismatch as SettingsMismatch
 
 __all__ = ["Checkpointer", "SettingsMismatch"]

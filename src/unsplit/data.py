@@ -13,8 +13,8 @@ Example:
     (1, (4,), True)
 """
 
-from unsplit._src.data import DataSettings as DataSettings
-from unsplit._src.data import GlobalSteps as GlobalSteps
-from unsplit._src.data import global_steps as global_steps
+from unsplit._src.elastic.data import DataSettings as DataSettings
+from unsplit._src.elastic.data import GlobalSteps as GlobalSteps
+from unsplit._src.elastic.data import global_steps as global_steps
 
 __all__ = ["DataSettings", "GlobalSteps", "global_steps"]

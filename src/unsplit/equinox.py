@@ -14,6 +14,6 @@ Example:
     True
 """
 
-from unsplit._src.equinox_dropout import Dropout as Dropout
+from unsplit._src.dropout.equinox import Dropout as Dropout
 
 __all__ = ["Dropout"]

@@ -19,7 +19,7 @@ Example:
     (2, 8, 4)
 """
 
-from unsplit._src.attention import linen_dot_product_attention as dot_product_attention
-from unsplit._src.linen_dropout import Dropout as Dropout
+from unsplit._src.dropout.attention import linen_dot_product_attention as dot_product_attention
+from unsplit._src.dropout.linen import Dropout as Dropout
 
 __all__ = ["Dropout", "dot_product_attention"]

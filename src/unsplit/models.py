@@ -18,14 +18,14 @@ Example:
     ((), ())
 """
 
-from unsplit._src.transformer import Block as Block
-from unsplit._src.transformer import Transformer as Transformer
-from unsplit._src.transformer import TransformerConfig as TransformerConfig
-from unsplit._src.transformer import init_params as init_params
-from unsplit._src.transformer import mean_loss as mean_loss
-from unsplit._src.transformer import synthetic_batch as synthetic_batch
-from unsplit._src.transformer import token_loss as token_loss
-from unsplit._src.transformer import with_flax_dropout as with_flax_dropout
+from unsplit._src.models.transformer import Block as Block
+from unsplit._src.models.transformer import Transformer as Transformer
+from unsplit._src.models.transformer import TransformerConfig as TransformerConfig
+from unsplit._src.models.transformer import init_params as init_params
+from unsplit._src.models.transformer import mean_loss as mean_loss
+from unsplit._src.models.transformer import synthetic_batch as synthetic_batch
+from unsplit._src.models.transformer import token_loss as token_loss
+from unsplit._src.models.transformer import with_flax_dropout as with_flax_dropout
 
 __all__ = [
     "Block",

@@ -18,7 +18,7 @@ Example:
     (2, 4)
 """
 
-from unsplit._src.attention import nnx_dot_product_attention as dot_product_attention
-from unsplit._src.nnx_dropout import Dropout as Dropout
+from unsplit._src.dropout.attention import nnx_dot_product_attention as dot_product_attention
+from unsplit._src.dropout.nnx import Dropout as Dropout
 
 __all__ = ["Dropout", "dot_product_attention"]

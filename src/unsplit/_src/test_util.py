@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from unsplit._src import transformer as tf
+from unsplit._src.models import transformer as tf
 
 CONFIG = tf.TransformerConfig(vocab=32, length=16, width=32, heads=2, layers=1)
 
@@ -124,9 +124,9 @@ def train(
     """
     import optax
 
-    from unsplit._src.distributed import global_batch
-    from unsplit._src.step import value_and_grad
+    from unsplit._src.processes.global_batch import global_batch
     from unsplit._src.train_step import bitwise_train_step
+    from unsplit._src.value_and_grad import value_and_grad
 
     _, params, pool = problem(batch=256)
     batch_size = 64

@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import optax
 
-from unsplit._src import validate
-from unsplit._src.step import Step
+from unsplit._src.step import validate
+from unsplit._src.value_and_grad import Step
 
 
 def bitwise_train_step(step: Step, optimizer: optax.GradientTransformation) -> Callable:

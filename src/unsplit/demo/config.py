@@ -29,8 +29,8 @@ class DemoConfig:
     points: int = 25  # how many times the parameter divergence is measured
 
     def model(self):
-        """The demo's :class:`~unsplit._src.transformer.Transformer` (imports jax)."""
-        from unsplit._src import transformer as tf
+        """The demo's :class:`~unsplit._src.models.transformer.Transformer` (imports jax)."""
+        from unsplit._src.models import transformer as tf
 
         return tf.Transformer(
             tf.TransformerConfig(

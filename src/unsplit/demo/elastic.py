@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src import transformer as tf
+from unsplit._src.models import transformer as tf
 from unsplit.demo import config as demo_config
 from unsplit.demo import data as demo_data
 

@@ -1,7 +1,7 @@
 """The demo's multi-process rows: 2 real local processes x 2 devices x 2 microbatches.
 
 :func:`run_processes` starts 2 JAX processes on this machine
-(:func:`unsplit._src.launch.run_local_processes`, ``jax.distributed`` over
+(:func:`unsplit._src.processes.launch.run_local_processes`, ``jax.distributed`` over
 gloo on 127.0.0.1). Each runs :func:`process_worker`: the same model, data and
 seed as the parent, a mesh over the 4 devices of both processes, and only its
 own rows of each global batch (grain's order, ``unsplit.data.global_steps``),
@@ -24,8 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src import launch
-from unsplit._src import transformer as tf
+from unsplit._src.models import transformer as tf
+from unsplit._src.processes import launch
 from unsplit.demo import data as demo_data
 from unsplit.demo import train as dt
 
@@ -49,7 +49,7 @@ def run_processes(
         timeout_s: bound on the whole launch; on expiry every process is killed.
 
     Raises:
-        unsplit._src.launch.LaunchError: a process failed or ran out of time.
+        unsplit._src.processes.launch.LaunchError: a process failed or ran out of time.
     """
     with tempfile.TemporaryDirectory(prefix="unsplit-demo-") as tmp:
         snapshots, status = os.path.join(tmp, "snapshots.npz"), os.path.join(tmp, "progress")

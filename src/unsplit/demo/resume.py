@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 import unsplit
-from unsplit._src import launch
+from unsplit._src.processes import launch
 from unsplit.demo import elastic
 from unsplit.demo import train as dt
 
@@ -61,7 +61,7 @@ def run_elastic(
     """Trains, kills and resumes the run; returns it and ``{"killed_after", "resumed_from"}``.
 
     Raises:
-        unsplit._src.launch.LaunchError: a phase failed other than by the planned kill.
+        unsplit._src.processes.launch.LaunchError: a phase failed other than by the planned kill.
     """
     save_every, kill_after = plan(config.steps)
     with tempfile.TemporaryDirectory(prefix="unsplit-elastic-") as tmp:

@@ -25,8 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from unsplit._src import launch
-from unsplit._src import transformer as tf
+from unsplit._src.models import transformer as tf
+from unsplit._src.processes import launch
 from unsplit.demo import data as demo_data
 from unsplit.demo import processes as demo_processes
 from unsplit.demo import progress as demo_progress

@@ -33,7 +33,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src import transformer as tf
+from unsplit._src.models import transformer as tf
 from unsplit.demo import data as demo_data
 from unsplit.demo.config import DemoConfig
 

@@ -18,13 +18,13 @@ that end every process when one fails.
 Example:
     >>> import unsplit.testing
     >>> results = unsplit.testing.run_local_processes(  # doctest: +SKIP
-    ...     "unsplit._src.launch:describe", num_processes=2, devices_per_process=2)
+    ...     "unsplit._src.processes.launch:describe", num_processes=2, devices_per_process=2)
     >>> [r["process_index"] for r in results]  # doctest: +SKIP
     [0, 1]
 """
 
-from unsplit._src.launch import LaunchError as LaunchError
-from unsplit._src.launch import free_port as free_port
-from unsplit._src.launch import run_local_processes as run_local_processes
+from unsplit._src.processes.launch import LaunchError as LaunchError
+from unsplit._src.processes.launch import free_port as free_port
+from unsplit._src.processes.launch import run_local_processes as run_local_processes
 
 __all__ = ["LaunchError", "free_port", "run_local_processes"]

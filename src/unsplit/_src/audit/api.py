@@ -1,0 +1,220 @@
+"""``unsplit.audit`` and ``unsplit.audit_step``: what makes a training step depend on its schedule.
+
+Both trace the function (``jax.make_jaxpr``; nothing runs), follow where every
+value comes from through every sub-jaxpr, and return :class:`Finding` s that
+name the user's source line. See ``docs/audit.md`` for the catalogue of kinds
+and for what the audit cannot see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from unsplit._src import keys as keys_lib
+from unsplit._src.audit import trace as audit_trace
+from unsplit._src.audit.batched import check_step
+from unsplit._src.audit.finding import UNKNOWN, Finding, dedupe, finding
+from unsplit._src.audit.keys import THREEFRY_DTYPE
+from unsplit._src.audit.loss import LossTraceError, check_loss
+from unsplit._src.audit.state import captured_module_finding
+
+
+def audit(
+    loss_fn: Callable,
+    params: Any,
+    batch: Any,
+    key: Any,
+    *,
+    weighted: bool = False,
+    has_aux: bool = False,
+) -> list[Finding]:
+    """Finds what makes a per-example loss depend on the schedule; nothing runs.
+
+    The loss is checked as ``unsplit.value_and_grad`` calls it:
+    ``jax.vmap(loss_fn, in_axes=(None, 0, 0))(params, batch,
+    unsplit.example_keys(key, ids))``, then walked for one example. Kinds:
+    ``foreign_key``, ``cross_example``, ``dropped_state``, ``unsafe_key``,
+    ``padding_unstable``, ``device_key`` (see ``docs/audit.md``).
+
+    Args:
+        loss_fn: ``loss_fn(params, example, key)`` for ONE example.
+        params: any pytree (arrays or ``jax.ShapeDtypeStruct`` s; a Flax
+            variables dict, an ``nnx.State`` or module, an Equinox module).
+        batch: a pytree whose leaves have the batch as leading axis.
+        key: the step key (``jax.random.key(seed)``).
+        weighted: whether ``loss_fn`` returns ``(loss_sum, weight)``.
+        has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+    Returns:
+        The findings, in program order; ``[]`` when nothing was found.
+
+    Raises:
+        TypeError, ValueError: the inputs or the loss's outputs are not what
+            ``value_and_grad`` accepts (the message names the fix); or the
+            loss itself fails to trace (its own error, with a note).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, unsplit
+        >>> fixed = jax.random.key(42)
+        >>> def loss_fn(w, x, key):
+        ...     keep = jax.random.bernoulli(fixed, 0.9, x.shape)  # not the example's key
+        ...     return jnp.sum(jnp.where(keep, x, 0.0) * w)
+        >>> findings = unsplit.audit(loss_fn, jnp.ones(3), jnp.ones((8, 3)), jax.random.key(0))
+        >>> [f.kind for f in findings]
+        ['foreign_key']
+    """
+    _check_callable(loss_fn, "loss_fn")
+    size = _batch_size(batch)
+    found: list[Finding] = []
+    if keys_lib.is_typed_key(key) and str(key.dtype) != THREEFRY_DTYPE:
+        found.append(_unsafe_step_key(key))
+        key = jax.random.key(0)  # audit the rest as if the key were a threefry key
+    keys_lib.check_key(key)
+    key = audit_trace.abstract(key)
+    keys = jax.eval_shape(keys_lib.example_keys, key, jnp.arange(size, dtype=jnp.uint32))
+
+    def batched(params, batch, keys):
+        return jax.vmap(loss_fn, in_axes=(None, 0, 0))(params, batch, keys)
+
+    try:
+        traced = audit_trace.trace(batched, [params, batch, keys], ["params", "batch", "keys"])
+    except Exception as e:
+        captured = captured_module_finding(e)
+        if captured is not None:
+            return dedupe([*found, captured])
+        e.add_note(
+            "unsplit.audit traced loss_fn as value_and_grad calls it: jax.vmap(loss_fn, "
+            "in_axes=(None, 0, 0))(params, batch, unsplit.example_keys(key, ids))."
+        )
+        raise
+    _check_output(traced.out_shape, size, weighted=weighted, has_aux=has_aux)
+    example = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype) if audit_trace.is_array(x) else x,
+        batch,
+    )
+    try:
+        found += check_loss(loss_fn, params, example, key)
+    except LossTraceError as e:
+        raise e.__cause__ from None  # traced batched but not alone: the loss's own error
+    return dedupe(found)
+
+
+def audit_step(
+    fn: Callable, *args: Any, batch_argnums: Sequence[int] | None = None
+) -> list[Finding]:
+    """Finds what makes an ordinary (batched) train step depend on its schedule; nothing runs.
+
+    Kinds: ``batch_draw`` (one key draws for the whole batch), ``device_key``
+    (a key per device, e.g. ``shard_prng_key``), ``mean_of_means`` (per-microbatch
+    means accumulated, e.g. ``optax.MultiSteps`` over a token-weighted loss),
+    ``unsafe_key``; each ``fix`` names the ``unsplit`` equivalent.
+
+    Args:
+        fn: the step, called as ``fn(*args)`` (jitted or not).
+        *args: example inputs: arrays or ``jax.ShapeDtypeStruct`` s (other
+            leaves, such as Python numbers, are held static).
+        batch_argnums: which arguments hold the batch; by default those whose
+            array leaves all share one leading size (the first argument, the
+            params, only if no other does).
+
+    Returns:
+        The findings, in program order; ``[]`` when nothing was found.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, unsplit
+        >>> def step(w, x, key):  # batch-level dropout: one key for the whole batch
+        ...     keep = jax.random.bernoulli(key, 0.9, x.shape)
+        ...     return jnp.mean(jnp.where(keep, x, 0.0) @ w)
+        >>> findings = unsplit.audit_step(step, jnp.ones((3, 2)), jnp.ones((8, 3)), jax.random.key(0))
+        >>> [f.kind for f in findings]
+        ['batch_draw']
+    """
+    _check_callable(fn, "fn")
+    if batch_argnums is not None:
+        bad = [i for i in batch_argnums if not -len(args) <= i < len(args)]
+        if bad:
+            raise ValueError(
+                f"batch_argnums={tuple(batch_argnums)} names arguments {bad} that do not exist; "
+                f"got {len(args)} arguments. Fix: index the batch among fn's positional arguments."
+            )
+        batch_argnums = tuple(i % len(args) for i in batch_argnums)
+    return check_step(fn, args, batch_argnums=batch_argnums)
+
+
+def _check_callable(fn: Any, name: str) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"{name} must be a function; got {type(fn).__name__}: {fn!r}. Fix: pass the "
+            f"function itself, e.g. unsplit.audit(loss_fn, params, batch, key)."
+        )
+
+
+def _batch_size(batch: Any) -> int:
+    leaves = [x for x in jax.tree_util.tree_leaves(batch) if audit_trace.is_array(x)]
+    if not leaves:
+        raise ValueError(
+            f"batch has no array leaves; got {type(batch).__name__}. Fix: pass the batch as a "
+            "pytree of arrays whose leading axis is the batch, e.g. {'x': x} with x of shape (B, ...)."
+        )
+    sizes = sorted({np.shape(x)[0] if np.ndim(x) else -1 for x in leaves})
+    if -1 in sizes:
+        raise ValueError(
+            "every batch leaf must have the batch as leading axis; got a scalar leaf. Fix: "
+            "give per-example values a leading axis of size B, and pass constants in params."
+        )
+    if len(sizes) != 1 or sizes[0] == 0:
+        raise ValueError(
+            f"every batch leaf must have the same leading size B >= 1; got leading sizes {sizes}. "
+            "Fix: stack every per-example value along axis 0."
+        )
+    return sizes[0]
+
+
+def _check_output(out: Any, size: int, *, weighted: bool, has_aux: bool) -> None:
+    if has_aux:
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise TypeError(
+                f"with has_aux=True loss_fn must return (loss, aux); got {_shapes(out)} per "
+                "batch. Fix: return a pair, or pass has_aux=False."
+            )
+        out = out[0]
+    if weighted:
+        ok = isinstance(out, tuple | list) and len(out) == 2
+        if not ok or any(np.shape(x) != (size,) for x in out):
+            raise TypeError(
+                f"with weighted=True loss_fn must return (loss_sum, weight), two scalars per "
+                f"example; got {_shapes(out)} for a batch of {size}. Fix: return "
+                "(jnp.sum(token_losses), jnp.sum(mask)), or pass weighted=False."
+            )
+        return
+    if isinstance(out, tuple | list):
+        raise TypeError(
+            f"loss_fn returns a {len(out)}-tuple {_shapes(out)} per batch; with weighted=False "
+            "it must return one scalar loss per example. Fix: pass weighted=True if it is "
+            "(loss_sum, weight), or has_aux=True if it is (loss, aux)."
+        )
+    if np.shape(out) != (size,):
+        raise TypeError(
+            f"loss_fn must return a scalar loss for one example; got shape "
+            f"{tuple(np.shape(out))[1:]} per example. Fix: reduce it (e.g. jnp.sum or jnp.mean "
+            "over the example's own axes)."
+        )
+
+
+def _shapes(out: Any) -> str:
+    return str(jax.tree.map(lambda x: tuple(np.shape(x)), out))
+
+
+def _unsafe_step_key(key: Any) -> Finding:
+    return finding(
+        "unsafe_key",
+        f"the step key is a {key.dtype} key: value_and_grad refuses it, because under "
+        "jax.vmap rbg and unsafe_rbg keys draw the whole batch from the first example's key, "
+        "so an example's noise would depend on its batch.",
+        UNKNOWN,
+    )

@@ -1,0 +1,249 @@
+"""The audit on its corpus (every problem at its line, nothing on clean steps) and its API."""
+
+import importlib
+import os
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import unsplit
+from unsplit import audit_corpus
+from unsplit._src.audit import loss as audit_loss_lib
+from unsplit._src.audit import report as audit_report
+from unsplit._src.audit.finding import AuditWarning
+from unsplit._src.audit.loss import audit_loss
+
+
+def _corpus(module: str):
+    return importlib.import_module(f"unsplit.audit_corpus.{module}")
+
+
+def _marked_line(module, case: str) -> int:
+    lines = pathlib.Path(module.__file__).read_text().splitlines()
+    marked = [i + 1 for i, text in enumerate(lines) if re.search(rf"# expect: {case}$", text)]
+    assert len(marked) == 1, f"{case}: expected one '# expect: {case}' line, got {marked}"
+    return marked[0]
+
+
+@pytest.mark.parametrize("case", sorted(audit_corpus.PROBLEMS))
+def test_every_corpus_problem_is_found_once_with_its_kind_and_line(case):
+    module_name, kind = audit_corpus.PROBLEMS[case]
+    module = _corpus(module_name)
+    with jax.numpy_dtype_promotion("standard"):  # user code (optax), not the tests' strict mode
+        findings = audit_report.audit_factory(getattr(module, case), case)
+    got = [(f.kind, os.path.realpath(f.file), f.line) for f in findings]
+    assert got == [(kind, os.path.realpath(module.__file__), _marked_line(module, case))]
+    assert len(findings[0].message) > 80 and findings[0].fix
+
+
+@pytest.mark.parametrize("case", audit_corpus.CLEAN)
+def test_clean_corpus_steps_have_no_finding(case):
+    with jax.numpy_dtype_promotion("standard"):
+        assert audit_report.audit_factory(getattr(_corpus("clean"), case), case) == []
+
+
+def test_an_unsplit_step_is_clean_as_a_batched_step_too():
+    step, args = _corpus("clean").unsplit_step()
+    assert unsplit.audit_step(step, *args) == []
+
+
+def test_corpus_covers_every_kind_and_enough_cases():
+    kinds = {kind for _, kind in audit_corpus.PROBLEMS.values()}
+    assert kinds == {
+        "foreign_key",
+        "cross_example",
+        "dropped_state",
+        "unsafe_key",
+        "padding_unstable",
+        "device_key",
+        "batch_draw",
+        "mean_of_means",
+    }
+    assert len(audit_corpus.PROBLEMS) >= 12 and len(audit_corpus.CLEAN) >= 4
+
+
+def test_same_key_microbatches_says_the_key_repeats():
+    (finding,) = audit_report.audit_factory(_corpus("batched").same_key_microbatches)
+    assert "same key at every iteration" in finding.message.replace(
+        "the same at every", "same key at every"
+    ) or ("the key is the same at every iteration" in finding.message)
+
+
+# -- trace time (the step's audit=True) -------------------------------------------------
+
+_NOISE = jax.random.key(7)
+
+
+def _closure_loss(w, x, key):
+    return jnp.sum(x @ w) + jnp.sum(jax.random.normal(_NOISE, x.shape))
+
+
+def _padding_loss(w, x, key):
+    keep = jax.random.bernoulli(key, 0.9, (x.shape[0], x.shape[0]))  # (L, L): not prefix-stable
+    return jnp.sum(jnp.where(keep, x @ x.T, 0.0)) + jnp.sum(w)
+
+
+def test_audit_loss_runs_inside_a_jit_trace_on_abstract_values():
+    found = []
+
+    @jax.jit
+    def step(w, batch, key):
+        found.extend(audit_loss(_closure_loss, w, batch[0], key))
+        found.extend(audit_loss(_padding_loss, w, batch[0], key))
+        return jnp.sum(batch)
+
+    step(jnp.ones(4), jnp.ones((2, 6, 4)), jax.random.key(0))
+    assert [f.kind for f in found] == ["foreign_key", "padding_unstable"]
+
+
+def test_audit_loss_runs_inside_shard_map_where_the_batch_axis_is_bound():
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    found = []
+
+    def collective_loss(w, x, key):
+        return jnp.sum(jax.lax.pmean(x @ w, "data"))
+
+    def body(w, batch, key):
+        found.extend(audit_loss(collective_loss, w, batch[0], key))
+        found.extend(audit_loss(_padding_loss, w, batch[0], key))
+        return jax.lax.psum(jnp.sum(batch), "data")
+
+    specs = (jax.P(), jax.P("data"), jax.P())
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=jax.P()))
+    step(jnp.ones(4), jnp.ones((4, 6, 4)), jax.random.key(0))
+    assert [f.kind for f in found] == ["cross_example", "padding_unstable"]
+
+
+def test_audit_loss_accepts_shape_dtype_structs_and_kinds():
+    w = jax.ShapeDtypeStruct((4,), jnp.float32)
+    x = jax.ShapeDtypeStruct((6, 4), jnp.float32)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    assert [f.kind for f in audit_loss(_padding_loss, w, x, key)] == ["padding_unstable"]
+    assert audit_loss(_padding_loss, w, x, key, kinds={"foreign_key", "dropped_state"}) == []
+
+
+def test_audit_loss_gives_no_finding_when_the_loss_itself_fails():
+    def broken(w, x, key):
+        return jnp.sum(x @ jnp.ones((99, 2)))  # shape error: the step will raise it itself
+
+    assert audit_loss(broken, jnp.ones(4), jnp.ones((6, 4)), jax.random.key(0)) == []
+
+
+def test_an_audit_bug_becomes_an_audit_error_finding(monkeypatch):
+    def crash(draws):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(audit_loss_lib, "foreign_key_findings", crash)
+    (finding,) = audit_loss(_closure_loss, jnp.ones(4), jnp.ones((6, 4)), jax.random.key(0))
+    assert finding.kind == "audit_error" and "RuntimeError: boom" in finding.message
+
+
+@pytest.mark.parametrize(
+    ("kinds", "error", "message"),
+    [
+        ({"batch_draw"}, ValueError, "not per-example checks"),
+        ("foreign_key", TypeError, "kinds={'foreign_key'}"),
+    ],
+)
+def test_audit_loss_rejects_wrong_kinds(kinds, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        audit_loss(_closure_loss, jnp.ones(4), jnp.ones((6, 4)), jax.random.key(0), kinds=kinds)
+
+
+# -- unsplit.audit's and audit_step's inputs --------------------------------------------
+
+_W, _BATCH, _KEY = jnp.ones(4), jnp.ones((8, 6, 4)), jax.random.key(0)
+
+
+def _mean(w, x, key):
+    return jnp.mean(unsplit.dropout(key, x, 0.1) @ w)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: unsplit.audit("loss", _W, _BATCH, _KEY), TypeError, "loss_fn must be a function"),
+        (lambda: unsplit.audit(_mean, _W, {}, _KEY), ValueError, "batch has no array leaves"),
+        (
+            lambda: unsplit.audit(_mean, _W, {"a": jnp.ones((8, 2)), "b": jnp.ones((4,))}, _KEY),
+            ValueError,
+            "same leading size",
+        ),
+        (
+            lambda: unsplit.audit(_mean, _W, _BATCH, _KEY, weighted=True),
+            TypeError,
+            "(loss_sum, weight)",
+        ),
+        (
+            lambda: unsplit.audit(lambda w, x, k: (_mean(w, x, k), 1.0), _W, _BATCH, _KEY),
+            TypeError,
+            "pass weighted=True",
+        ),
+        (lambda: unsplit.audit(lambda w, x, k: x @ w, _W, _BATCH, _KEY), TypeError, "scalar loss"),
+        (lambda: unsplit.audit(_mean, _W, _BATCH, _KEY, has_aux=True), TypeError, "(loss, aux)"),
+        (lambda: unsplit.audit(_mean, _W, _BATCH, jnp.ones(3)), TypeError, "jax.random.key(seed)"),
+        (
+            lambda: unsplit.audit_step(_mean, _W, _BATCH, _KEY, batch_argnums=(5,)),
+            ValueError,
+            "batch_argnums=(5,)",
+        ),
+    ],
+)
+def test_input_errors_say_what_was_expected_and_the_fix(call, error, message):
+    with pytest.raises(error, match=re.escape(message)) as info:
+        call()
+    assert "Fix" in str(info.value)
+
+
+def test_audit_accepts_aux_and_reports_an_rbg_step_key():
+    def with_aux(w, x, key):
+        return _mean(w, x, key), {"norm": jnp.sum(x)}
+
+    assert unsplit.audit(with_aux, _W, _BATCH, _KEY, has_aux=True) == []
+    (finding,) = unsplit.audit(_mean, _W, _BATCH, jax.random.key(0, impl="rbg"))
+    assert finding.kind == "unsafe_key" and finding.file is None
+
+
+def test_audit_reraises_the_loss_error_with_a_note():
+    def broken(w, x, key):
+        raise ValueError("my loss is broken")
+
+    with pytest.raises(ValueError, match="my loss is broken") as info:
+        unsplit.audit(broken, _W, _BATCH, _KEY)
+    assert "in_axes=(None, 0, 0)" in "".join(info.value.__notes__)
+
+
+def test_audit_step_warns_when_no_argument_looks_like_the_batch():
+    def step(params, key):  # a scalar leaf: params cannot be a batch
+        return jnp.sum(params["w"] * jax.random.normal(key, (3, 3))) * params["scale"]
+
+    params = {"w": jnp.ones((3, 3)), "scale": jnp.ones(())}
+    with pytest.warns(AuditWarning, match="batch_argnums"):
+        assert unsplit.audit_step(step, params, _KEY) == []
+
+
+def test_audit_step_batch_argnums_overrides_the_guess():
+    def step(x, w, key):  # the batch first: the guess would take w
+        return jnp.sum(jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0) @ w)
+
+    (finding,) = unsplit.audit_step(
+        step, jnp.ones((8, 3)), jnp.ones((3, 2)), _KEY, batch_argnums=(0,)
+    )
+    assert finding.kind == "batch_draw"
+
+
+def test_finding_is_a_frozen_dataclass_with_the_contract_fields():
+    f = unsplit.Finding("batch_draw", "one key", "use unsplit", "step.py", 12)
+    assert (f.kind, f.message, f.fix, f.file, f.line) == (
+        "batch_draw",
+        "one key",
+        "use unsplit",
+        "step.py",
+        12,
+    )
+    assert f.to_dict()["line"] == 12 and str(f) == "step.py:12: batch_draw: one key"
+    with pytest.raises(AttributeError):
+        f.kind = "other"

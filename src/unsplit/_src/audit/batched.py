@@ -1,0 +1,233 @@
+"""The batched-step checks: an ordinary train step, before it adopts unsplit.
+
+* ``batch_draw``: the step is traced twice, with the batch and with a batch
+  twice as large (the batch arguments are the ones whose array leaves share
+  one leading size; see :func:`unsplit._src.audit.trace.infer_batch_argnums`).
+  A draw whose drawn shape changes while its key's shape does not is one key
+  drawing noise for a whole (micro)batch. Per-example keys (``jax.vmap`` over
+  ``example_keys``) change the key's shape with the batch, so they pass.
+* ``device_key``: a draw whose key depends on ``axis_index`` or on a key
+  array that ``shard_map``/``pmap`` splits over devices
+  (``flax.training.common_utils.shard_prng_key``), reported at that line.
+* ``mean_of_means``: a *batch statistic* is a reduction to a scalar of batch
+  data alone (``jnp.sum(mask)``: a token count). Dividing by one inside an
+  accumulation loop whose carry adds the result up (a ``lax.scan`` or
+  ``fori_loop`` over microbatches), or feeding such a quotient into the
+  ``acc_grads`` of an ``optax.MultiSteps`` state, is a mean of microbatch
+  means. Dividing by a constant (an unweighted mean of equal microbatches) is
+  not reported: the mean of equal-size means is the global mean.
+* ``unsafe_key``: as for a per-example loss.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from unsplit._src.audit import trace as audit_trace
+from unsplit._src.audit.finding import AuditWarning, Finding, dedupe, finding
+from unsplit._src.audit.graph import Ctx, Info, Loop, Node, Origin, Walker, roots
+from unsplit._src.audit.keys import Draw, KeyRules
+from unsplit._src.audit.loss import device_key_findings, unsafe_key_findings
+
+_REDUCTIONS = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
+)
+
+
+class BatchedRules(KeyRules):
+    """:class:`KeyRules` plus batch statistics, per-microbatch means and accumulations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.findings: list[Finding] = []
+
+    def transfer(self, eqn: Any, ins: Sequence[Node], outs: Sequence[Node], ctx: Ctx) -> None:
+        super().transfer(eqn, ins, outs, ctx)
+        name = eqn.primitive.name
+        if name in _REDUCTIONS and outs[0].aval.ndim == 0 and _data_only(ins[0].info):
+            loops = frozenset(o.tag for o in ins[0].info if o.kind == "loop")
+            stat = Origin("batch_stat", "a statistic of the batch", ctx.site_of(eqn), tag=loops)
+            for node in outs:
+                node.info = node.info | {stat}
+        divisor = _divisor(name, eqn, ins)
+        # Only a divisor that is itself a batch statistic (not merely influenced by one).
+        if divisor is not None and _data_only(divisor.info):
+            for stat in (o for o in divisor.info if o.kind == "batch_stat"):
+                label = f"a batch statistic computed at {stat.site}"
+                mean = Origin("batch_mean", label, ctx.site_of(eqn), tag=stat.tag)
+                for node in outs:
+                    node.info = node.info | {mean}
+
+    def loop_exit(self, loop: Loop, carry_in: Sequence[Node], carry_out: Sequence[Node]) -> None:
+        for i, out in enumerate(carry_out):
+            if not any(o.kind == "carry" and o.tag == (loop.marker.tag, i) for o in out.info):
+                continue  # not accumulated across iterations
+            for mean in out.info:
+                if mean.kind == "batch_mean" and loop.marker.tag in mean.tag:
+                    self.findings.append(_mean_of_means(mean, f"the loop at {loop.marker.site}"))
+
+
+def _data_only(info: Info) -> bool:
+    kinds = {o.kind for o in roots(info)}
+    return kinds == {"data"}
+
+
+def _divisor(name: str, eqn: Any, ins: Sequence[Node]) -> Node | None:
+    if name == "div" and len(ins) == 2:
+        return ins[1]
+    if name == "integer_pow" and eqn.params.get("y", 0) < 0:
+        return ins[0]
+    return None
+
+
+def _mean_of_means(mean: Origin, accumulator: str) -> Finding:
+    return finding(
+        "mean_of_means",
+        f"this divides by a statistic of the microbatch (such as its token count: "
+        f"{mean.label}) and {accumulator} accumulates the "
+        "quotient across microbatches: a mean of microbatch means, which weights the tokens "
+        "of small microbatches more and changes with how the batch is cut.",
+        mean.site,
+    )
+
+
+def check_step(
+    fn: Callable, args: Sequence[Any], *, batch_argnums: Sequence[int] | None = None
+) -> list[Finding]:
+    """Batched-step findings for ``fn(*args)``; raises what tracing ``fn`` raises."""
+    argnums = (
+        audit_trace.infer_batch_argnums(args) if batch_argnums is None else tuple(batch_argnums)
+    )
+    names = [f"args[{i}]" for i in range(len(args))]
+    traced = audit_trace.trace(fn, args, names, numpy_static=True)
+    rules = BatchedRules()
+    walker = Walker(rules)
+    outs = walker.run(traced.closed, _infos(traced.leaves, argnums), _const_origin(traced, argnums))
+    draws = rules.draws_of()
+    found = unsafe_key_findings(draws) + device_key_findings(draws) + rules.findings
+    found += _multisteps(outs, traced.out_shape)
+    if not argnums:
+        warnings.warn(
+            "unsplit.audit_step: no argument looks like the batch (array leaves sharing one "
+            "leading size), so batch_draw and mean_of_means were not checked. Fix: pass "
+            "batch_argnums=(i,).",
+            AuditWarning,
+            stacklevel=3,
+        )
+        return dedupe(found)
+    try:
+        resized = audit_trace.resize_batch(args, argnums, 2)
+        larger = audit_trace.trace(fn, resized, names, numpy_static=True)
+    except Exception as e:
+        warnings.warn(
+            f"unsplit.audit_step: batch_draw was not checked: the step does not trace with "
+            f"the batch (arguments {argnums}) twice as large ({type(e).__name__}: {e}).",
+            AuditWarning,
+            stacklevel=3,
+        )
+        return dedupe(found)
+    other = KeyRules()
+    Walker(other).run(larger.closed, _infos(larger.leaves, argnums), _const_origin(larger, argnums))
+    found += batch_draw_findings(draws, other.draws_of())
+    return dedupe(found)
+
+
+def batch_draw_findings(draws: Sequence[Draw], larger: Sequence[Draw]) -> list[Finding]:
+    """Draws whose shape follows the batch size while their key's shape does not."""
+    if len(draws) != len(larger):
+        warnings.warn(
+            f"unsplit.audit_step: batch_draw was not checked: the step draws {len(draws)} times "
+            f"with this batch and {len(larger)} times with a batch twice as large.",
+            AuditWarning,
+            stacklevel=4,
+        )
+        return []
+    groups: dict[tuple, list[Draw]] = {}  # one finding per key and loop situation
+    for d, e in zip(draws, larger, strict=True):
+        if d.shape != e.shape and d.key_shapes == e.key_shapes:
+            groups.setdefault((roots(d.key_info), _same_key_in_loop(d)), []).append(d)
+    out = []
+    for group in groups.values():
+        sites = list(dict.fromkeys(d.site for d in group))
+        also = (
+            ""
+            if len(sites) == 1
+            else f" The same key also draws at {', '.join(map(str, sites[1:4]))}."
+        )
+        out.append(finding("batch_draw", _batch_draw_message(group[0]) + also, group[0].site))
+    return out
+
+
+def _same_key_in_loop(d: Draw) -> bool:
+    return bool(d.ctx.loops) and d.ctx.loops[-1].marker not in d.key_info
+
+
+def _batch_draw_message(d: Draw) -> str:
+    text = (
+        f"one key draws noise of shape {d.shape} for a whole (micro)batch: an example's "
+        "noise is its row of one array, so it depends on the example's position and on the "
+        "batch size, not on the example"
+    )
+    if _same_key_in_loop(d):
+        return (
+            f"{text}. Inside the loop at {d.ctx.loops[-1].marker.site} the key is the same at "
+            "every iteration, so every microbatch gets the same noise (T5X's microbatching "
+            "does this)."
+        )
+    if d.ctx.device_maps:
+        return f"{text}. Inside shard_map/pmap each device draws for its own share."
+    return f"{text}."
+
+
+def _multisteps(outs: Sequence[Node], out_shape: Any) -> list[Finding]:
+    """``mean_of_means`` for quotients reaching an ``optax.MultiSteps`` accumulator."""
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    found = []
+    for path, node in zip(paths, outs, strict=True):
+        if not any(getattr(k, "name", None) == "acc_grads" for k in path):
+            continue
+        for mean in node.info:
+            if mean.kind == "batch_mean":
+                found.append(_mean_of_means(mean, "optax.MultiSteps (acc_grads)"))
+    return found
+
+
+def _infos(leaves: Sequence[audit_trace.Leaf], argnums: Sequence[int]) -> list[Info]:
+    shared = Origin("param", "the step's other arguments")
+    infos = []
+    for leaf in leaves:
+        if leaf.arg in argnums:
+            infos.append(frozenset({Origin("data", leaf.path)}))
+        elif audit_trace.is_key(leaf.aval):
+            infos.append(frozenset({Origin("key_arg", leaf.path)}))
+        else:
+            infos.append(frozenset({shared}))
+    return infos
+
+
+def _const_origin(traced: audit_trace.Traced, argnums: Sequence[int]) -> Callable:
+    """Constants that are the batch's NumPy leaves (held static) are batch data."""
+    batch = [(path, value) for arg, path, value in traced.static if arg in argnums]
+
+    def origin(index: int, value: Any) -> Origin:
+        for path, leaf in batch:
+            if _same_array(value, leaf):
+                return Origin("data", path)
+        return Origin("const", "a constant the step closes over")
+
+    return origin
+
+
+def _same_array(const: Any, leaf: np.ndarray) -> bool:
+    try:
+        array = np.asarray(const)
+    except Exception:  # a key array, a tracer of an enclosing trace
+        return False
+    if np.shares_memory(array, leaf):  # the leaf or a view of it (a microbatch slice)
+        return True
+    return array.shape == leaf.shape and array.dtype == leaf.dtype and np.array_equal(array, leaf)

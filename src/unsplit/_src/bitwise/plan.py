@@ -1,0 +1,227 @@
+"""Bitwise mode's static plan: chunks, device groups, and how params and sums travel.
+
+For a params layout and a global batch size the plan fixes:
+
+* the **chunk**: ``chunk_size`` examples, the unit every schedule computes with
+  the same program; chunk ``c`` holds global rows ``[c * chunk_size, ...)``;
+* the **groups**: one per coordinate of the batch axes. A group is one device,
+  or -- when params are sharded over model axes (tensor parallel) -- the
+  devices of those axes, which run the chunk program as one SPMD program. The
+  mesh axes no param is sharded over play no part (the *compute mesh* leaves
+  them out), so replicated params on a 2-D mesh compute like one device;
+* the **flat plans**: each device's local blocks of the params (FSDP params
+  gathered over the batch axes) and of the partial sums, as flat vectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from unsplit._src.bitwise import reduce
+from unsplit._src.bitwise.flat import FlatPlan
+from unsplit._src.step import sums
+from unsplit._src.step.layout import Layout
+
+DEFAULT_CHUNK = 8
+
+
+def default_chunk_size(batch: int) -> int:
+    """``min(8, the largest power of two dividing batch)``: depends on the batch only.
+
+    The chunk size must not depend on the schedule (it fixes the bits), so the
+    default is a function of the global batch size alone.
+    """
+    return min(DEFAULT_CHUNK, batch & -batch)
+
+
+def check_chunk_size(chunk_size: Any) -> int | None:
+    import numbers
+
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise ValueError(
+            f"chunk_size must be a positive int (examples per chunk); got {chunk_size!r} of "
+            f"type {type(chunk_size).__name__}. Fix: omit it for the default, or pass e.g. "
+            f"chunk_size={DEFAULT_CHUNK}."
+        )
+    if chunk_size < 1:
+        raise ValueError(
+            f"chunk_size must be a positive int (examples per chunk); got {chunk_size!r}. "
+            f"Fix: omit it for the default, or pass e.g. chunk_size={DEFAULT_CHUNK}."
+        )
+    return int(chunk_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything about a bitwise step that depends on the params layout and batch size."""
+
+    layout: Layout  # the user's mesh (a one-device mesh for mesh=None) and batch axes
+    structure: sums.Params
+    specs: tuple[P, ...]  # each array leaf's PartitionSpec on the user's mesh (full length)
+    given: tuple[P, ...]  # the same as the params had them (for the grads' shardings)
+    group_axes: tuple[str, ...]  # the model axes params are sharded over
+    compute: Mesh  # batch axes x group axes (unused axes at index 0)
+    local_specs: tuple[P, ...]  # each leaf's spec inside its group (over group axes only)
+    params_flat: FlatPlan  # one device's local blocks of every array leaf
+    sums_flat: FlatPlan  # one device's local blocks of (grad sums..., loss_sum, weight)
+    chunk: int
+    chunks: int  # in the global batch
+    per_group: int  # chunks per group
+    slots: int  # partial sums a group holds at most
+
+    @property
+    def groups(self) -> int:
+        return self.chunks // self.per_group
+
+    @property
+    def group_size(self) -> int:
+        return math.prod(self.compute.shape[a] for a in self.group_axes)
+
+    def group_devices(self, g: int) -> np.ndarray:
+        """Group ``g``'s devices, shaped like the group axes (g: row-major over the batch axes)."""
+        grid = np.asarray(self.compute.devices)
+        rest = grid.shape[len(self.layout.batch_axes) :]
+        return np.asarray(grid.reshape(-1, *rest)[g], dtype=object).reshape(rest)
+
+    def group_mesh(self, g: int) -> Mesh:
+        if not self.group_axes:
+            return Mesh(self.group_devices(g).reshape(1), ("_",))
+        return Mesh(self.group_devices(g), self.group_axes)
+
+    def blocks(self, g: int) -> list[reduce.Block]:
+        return reduce.aligned_blocks(g * self.per_group, (g + 1) * self.per_group)
+
+    @property
+    def doubling(self) -> bool:
+        """Every group's share is one aligned subtree and the groups a power of two."""
+        g = self.groups
+        return g & (g - 1) == 0 and self.chunks & (self.chunks - 1) == 0
+
+
+def make_plan(
+    spec: sums.LossSpec,
+    layout: Layout,
+    params: Any,
+    batch: Any,
+    key: jax.Array,
+    size: int,
+    chunk: int,
+) -> tuple[Plan, list[Any]]:
+    """The plan for these inputs, and the params' array leaves (on the layout's mesh)."""
+    structure, arrays = sums.Params.split(params)
+    mesh = layout.mesh
+    specs = tuple(_spec_on(a, mesh) for a in arrays)
+    given = tuple(
+        a.sharding.spec if isinstance(getattr(a, "sharding", None), NamedSharding) else P()
+        for a in arrays
+    )
+    used = {n for s in specs for e in s if e is not None for n in _names(e)}
+    group_axes = tuple(a for a in mesh.axis_names if a in used and a not in layout.batch_axes)
+    for path, s in zip(structure.paths, specs, strict=True):
+        for e in s:
+            names = _names(e) if e is not None else ()
+            if any(n in layout.batch_axes for n in names) and any(n in group_axes for n in names):
+                raise ValueError(
+                    f"params{path} has PartitionSpec {s}: one dimension sharded over both a "
+                    f"batch axis and a model axis ({e}), which bitwise mode cannot gather "
+                    "exactly per group. Fix: shard that dimension over the batch axes or over "
+                    "the model axes, or use different dimensions for each."
+                )
+    compute = _compute_mesh(mesh, layout.batch_axes, group_axes)
+    local_specs = tuple(P(*(_keep(e, group_axes) for e in s)) for s in specs)
+    local_shapes = [
+        NamedSharding(compute, ls).shard_shape(np.shape(a)) if group_axes else np.shape(a)
+        for a, ls in zip(arrays, local_specs, strict=True)
+    ]
+    params_flat = FlatPlan.of(arrays, local_shapes)
+    diff_shapes = [s for s, d in zip(local_shapes, structure.diff, strict=True) if d]
+    grads = [
+        jax.ShapeDtypeStruct(s, sums.wide_float(a.dtype))
+        for s, a in zip(diff_shapes, structure.diff_of(arrays), strict=True)
+    ]
+    loss_dtype = _loss_dtype(spec, structure, arrays, batch, key)
+    scalars = [jax.ShapeDtypeStruct((), loss_dtype), jax.ShapeDtypeStruct((), loss_dtype)]
+    sums_flat = FlatPlan.of([*grads, *scalars])
+    chunks = size // chunk
+    groups = math.prod(compute.shape[a] for a in layout.batch_axes)
+    per_group = chunks // groups
+    slots = max(_depth(g * per_group, per_group) for g in range(groups))
+    plan = Plan(
+        layout=layout,
+        structure=structure,
+        specs=specs,
+        given=given,
+        group_axes=group_axes,
+        compute=compute,
+        local_specs=local_specs,
+        params_flat=params_flat,
+        sums_flat=sums_flat,
+        chunk=chunk,
+        chunks=chunks,
+        per_group=per_group,
+        slots=slots,
+    )
+    return plan, arrays
+
+
+def _spec_on(x: Any, mesh: Mesh) -> P:
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh.shape_tuple == mesh.shape_tuple:
+        spec = sharding.spec
+        return P(*spec, *([None] * (np.ndim(x) - len(spec))))
+    return P(*([None] * np.ndim(x)))
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _keep(entry: Any, axes: tuple[str, ...]) -> Any:
+    if entry is None:
+        return None
+    kept = tuple(n for n in _names(entry) if n in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _compute_mesh(mesh: Mesh, batch_axes: tuple[str, ...], group_axes: tuple[str, ...]) -> Mesh:
+    """The mesh over ``batch_axes + group_axes`` (other axes at index 0), in that order."""
+    names = list(mesh.axis_names)
+    order = [names.index(a) for a in (*batch_axes, *group_axes)]
+    rest = [i for i in range(len(names)) if i not in order]
+    grid = np.transpose(np.asarray(mesh.devices), order + rest)
+    grid = grid[(Ellipsis, *([0] * len(rest)))] if rest else grid
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    axes = (*batch_axes, *group_axes)
+    return Mesh(grid, axes, axis_types=tuple(types[a] for a in axes))
+
+
+def _depth(start: int, count: int) -> int:
+    """The most partial sums alive while a group accumulates chunks ``[start, start + count)``."""
+    acc = reduce.Accumulator(add=lambda a, b: None)
+    deepest = 0
+    for i in range(start, start + count):
+        acc.push(i, None)
+        deepest = max(deepest, acc.depth)
+    return max(deepest, 1)
+
+
+def _loss_dtype(spec, structure, arrays, batch, key) -> Any:
+    """The dtype of the loss sums (float32 unless the loss is wider), from one example's trace."""
+    example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), batch)
+
+    def one(arrays, example, key):
+        loss_sum, weight, _ = sums.call_loss(spec, structure.merge(arrays), example, key)
+        return loss_sum, weight
+
+    shapes = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in arrays]
+    loss, _ = jax.eval_shape(one, shapes, example, jax.ShapeDtypeStruct((), key.dtype))
+    return jax.numpy.dtype(loss.dtype)

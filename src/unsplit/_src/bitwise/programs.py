@@ -1,0 +1,225 @@
+"""The four programs of a bitwise step: pack, chunk (per group), combine, unpack.
+
+1. ``pack`` (the user's mesh, one SPMD program): every device's local blocks
+   of the params as flat vectors; params sharded over the batch axes (FSDP) are
+   gathered first (an all-gather is exact data movement).
+2. ``chunk`` (compiled once per group: one device, or the group's
+   model-parallel devices): one chunk's partial sums, from inputs of one
+   chunk's shape, so the same program for every schedule. The host runs it
+   for each of the group's chunks and adds their sums like a binary counter
+   over the *global* chunk index (the canonical tree of
+   :mod:`unsplit._src.bitwise.reduce`), with an elementwise add program.
+3. ``combine`` (the compute mesh): the groups' blocks added in the same tree:
+   recursive doubling with ``ppermute`` when every group holds one aligned
+   subtree, else an all-gather and the tree. Never a ``psum``.
+4. ``unpack`` (the user's mesh): the total back into grads with the params'
+   shardings, divided once by the global weight.
+
+Elementwise adds and divisions are exactly rounded, so steps 1, 3 and 4 give
+the same bits wherever they run; only step 2 computes, and it is the same
+program for every schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from unsplit._src import keys as keys_lib
+from unsplit._src.bitwise import reduce
+from unsplit._src.bitwise.plan import Plan
+from unsplit._src.step import sums
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def pack_program(plan: Plan):
+    """Params (any sharding on the user's mesh) -> each device's flat local blocks."""
+    mesh = plan.layout.mesh
+    batch_axes = plan.layout.batch_axes
+
+    def local(*blocks):
+        leaves = []
+        for x, spec in zip(blocks, plan.specs, strict=True):
+            for dim, entry in enumerate(spec):
+                names = () if entry is None else ((entry,) if isinstance(entry, str) else entry)
+                gather = tuple(n for n in names if n in batch_axes)
+                if gather:
+                    x = jax.lax.all_gather(x, _entry(gather), axis=dim, tiled=True)
+            leaves.append(x)
+        return tuple(plan.params_flat.pack(leaves))
+
+    every = P(tuple(mesh.axis_names))
+    count = len(plan.params_flat.vectors)
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=plan.specs, out_specs=(every,) * count, check_vma=False
+    )
+    mask = plan.structure.array_mask
+
+    def pack(params):  # the whole pytree: jit flattens it (no Python work per leaf)
+        leaves = jax.tree.leaves(params)
+        return run(*(x for x, is_array in zip(leaves, mask, strict=True) if is_array))
+
+    return jax.jit(pack)
+
+
+def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
+    """One chunk's packed partial sums (and its aux), on group ``group``'s devices.
+
+    Its inputs are one chunk (``chunk_size`` rows), so it is the same program
+    for every schedule: measured, a loop over a group's chunks inside one
+    program got other bits when the group's share (the loop's input shapes)
+    changed.
+    """
+    gmesh = plan.group_mesh(group) if plan.group_axes else None
+    gentry = _entry(plan.group_axes)
+    structure = plan.structure
+    n_params = len(plan.params_flat.vectors)
+    n_sums = len(plan.sums_flat.vectors)
+    diff_specs = [s for s, d in zip(plan.local_specs, structure.diff, strict=True) if d]
+
+    def unpack(vectors):
+        if gmesh is None:
+            return plan.params_flat.unpack(vectors)
+        return list(
+            jax.shard_map(
+                lambda *v: tuple(plan.params_flat.unpack(v)),
+                mesh=gmesh,
+                in_specs=(P(gentry),) * n_params,
+                out_specs=plan.local_specs,
+                check_vma=False,
+            )(*vectors)
+        )
+
+    def pack_sums(grads, loss_sum, weight):
+        if gmesh is None:
+            return plan.sums_flat.pack([*grads, loss_sum, weight])
+        grads = [
+            jax.lax.with_sharding_constraint(g, NamedSharding(gmesh, s))
+            for g, s in zip(grads, diff_specs, strict=True)
+        ]
+        return list(
+            jax.shard_map(
+                lambda *xs: tuple(plan.sums_flat.pack(xs)),
+                mesh=gmesh,
+                in_specs=(*diff_specs, P(), P()),
+                out_specs=(P(gentry),) * n_sums,
+                check_vma=False,
+            )(*grads, loss_sum, weight)
+        )
+
+    def run(vectors, chunk, hi, lo, key):
+        ids = keys_lib.Ids64(hi=hi, lo=lo)
+        (loss_sum, weight, grads), aux = sums.example_sums(
+            spec, structure, unpack(vectors), chunk, key, ids
+        )
+        return pack_sums(grads, loss_sum, weight), aux
+
+    return run
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def split_chunks(rows, chunk: int):
+    """A group's rows (any pytree) -> the list of its chunks (exact data movement)."""
+    n = jax.tree.leaves(rows)[0].shape[0] // chunk
+    return [jax.tree.map(lambda x, i=i: x[i * chunk : (i + 1) * chunk], rows) for i in range(n)]
+
+
+@jax.jit
+def add_blocks(left, right):
+    """Two blocks' packed sums, left + right (elementwise: exactly rounded anywhere)."""
+    return [a + b for a, b in zip(left, right, strict=True)]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def stack_blocks(blocks, slots: int):
+    """A group's blocks (a list of packed sums) -> one (1, slots, length) array per vector."""
+    stacked = []
+    for vectors in zip(*blocks, strict=True):
+        pad = [jnp.zeros_like(vectors[0])] * (slots - len(vectors))
+        stacked.append(jnp.stack([*vectors, *pad])[None])
+    return stacked
+
+
+@jax.jit
+def concat_rows(parts):
+    """The chunks' aux, in row order."""
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+
+
+def combine_program(plan: Plan):
+    """The groups' blocks -> the total, added in the canonical tree (on the compute mesh)."""
+    mesh = plan.compute
+    batch = _entry(plan.layout.batch_axes)
+    gentry = _entry(plan.group_axes)
+    n = len(plan.sums_flat.vectors)
+    groups = plan.groups
+    layout = [plan.blocks(g) for g in range(groups)]
+
+    def add(a, b):
+        return [x + y for x, y in zip(a, b, strict=True)]
+
+    def local(*slots):  # each (1, slots, length): this group's blocks
+        if plan.doubling:
+            # Round r adds partners g and g ^ 2**r; IEEE addition is commutative, so both
+            # get left + right, bit for bit, holding one extra block at a time.
+            x = [s[0, 0] for s in slots]
+            for r in range(groups.bit_length() - 1):
+                perm = [(g, g ^ (1 << r)) for g in range(groups)]
+                x = add(x, [jax.lax.ppermute(v, batch, perm) for v in x])
+            return tuple(x)
+        everyone = [jax.lax.all_gather(s, batch, tiled=True) for s in slots]
+        named = {
+            block: [e[g, j] for e in everyone]
+            for g, blocks in enumerate(layout)
+            for j, block in enumerate(blocks)
+        }
+        return tuple(reduce.combine(named, plan.chunks, add))
+
+    return jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(batch, None, gentry),) * n,
+            out_specs=(P(gentry),) * n,
+            check_vma=False,
+        )
+    )
+
+
+def unpack_program(plan: Plan, grad_shardings, loss_sharding):
+    """The total -> ``(loss, grads)``: grads with the params' shardings, divided by the weight."""
+    mesh = plan.layout.mesh
+    gentry = _entry(plan.group_axes)
+    structure = plan.structure
+    diff_specs = tuple(s for s, d in zip(plan.local_specs, structure.diff, strict=True) if d)
+    n = len(plan.sums_flat.vectors)
+    dtypes = [
+        d for d, is_diff in zip(plan.params_flat.dtypes, structure.diff, strict=True) if is_diff
+    ]
+
+    def local(*vectors):
+        *grads, loss_sum, weight = plan.sums_flat.unpack(vectors)
+        return loss_sum, weight, tuple(grads)
+
+    split = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(gentry),) * n,
+        out_specs=(P(), P(), diff_specs),
+        check_vma=False,
+    )
+
+    def unpack(vectors):  # the grads pytree (None for non-float leaves), built by jit
+        loss_sum, weight, grads = split(*vectors)
+        loss, grads = sums.normalize(loss_sum, weight, list(grads), dtypes)
+        return loss, structure.grads_tree(grads), weight
+
+    shardings = (loss_sharding, structure.grads_tree(grad_shardings), loss_sharding)
+    return jax.jit(unpack, out_shardings=shardings)

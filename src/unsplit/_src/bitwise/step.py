@@ -1,0 +1,342 @@
+"""Bitwise mode: loss and grads bit-identical for every schedule of the same global batch.
+
+What was measured (DESIGN.md, and ``docs/bitwise.md``) and what this module does:
+
+* XLA's matmuls are not batch-invariant, so the unit of work is a **chunk** of
+  ``chunk_size`` examples, always computed by the same program.
+* The same computation compiled as a multi-device SPMD program and as a
+  one-device program gives other bits (XLA's SPMD pipeline simplifies the
+  algebra differently: e.g. a softmax's backward pass). So the chunks of each
+  group -- one device, or the model-parallel devices of a tensor-parallel
+  layout -- run in their **own** program, the same for every schedule;
+  only data movement and exactly-rounded adds happen in SPMD programs.
+* Chunk sums are added in one binary tree over the *global* chunk index
+  (:mod:`unsplit._src.bitwise.reduce`), so no schedule changes the order of any add.
+
+The four programs are in :mod:`unsplit._src.bitwise.programs`; this module
+places the inputs, dispatches the programs and caches them. Host work per
+step is a few calls per device group, whatever the number of parameters (they
+travel as one flat vector per dtype).
+
+The guarantee holds on the same hardware and software (JAX, jaxlib, XLA
+flags), the same ``chunk_size``, and the same model-parallel layout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from unsplit._src import keys as keys_lib
+from unsplit._src.bitwise import plan as bitwise_plan
+from unsplit._src.bitwise import programs, reduce
+from unsplit._src.step import sums, validate
+from unsplit._src.step.layout import Layout, move_onto, named_spec
+
+default_chunk_size = bitwise_plan.default_chunk_size
+DEFAULT_CHUNK = bitwise_plan.DEFAULT_CHUNK
+
+# Compiled chunk programs, shared by every step built from the same loss function for
+# as long as that function lives: a compiled executable does not keep the function
+# alive, so dropping the function (and the steps) frees its programs too; a loop that
+# builds steps from one function compiles once.
+_EXECUTABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shared(spec: sums.LossSpec) -> dict:
+    try:
+        return _EXECUTABLES.setdefault(spec.loss_fn, {})
+    except TypeError:  # a loss that cannot be weakly referenced: no sharing across steps
+        return {}
+
+
+class BitwiseStep:
+    """Runs a :class:`~unsplit._src.value_and_grad.Step` in bitwise mode."""
+
+    def __init__(self, spec: sums.LossSpec, layout: Layout, chunk_size: Any):
+        self.spec = spec
+        self.chunk_size = bitwise_plan.check_chunk_size(chunk_size)
+        if layout.mesh is None:  # one device: a one-device mesh, the same programs
+            device = jax.local_devices()[0]
+            layout = Layout(Mesh(np.array([device]), ("batch",)), ("batch",))
+            self.single = True
+        else:
+            self.single = False
+        self.layout = layout
+        self._plans: dict[Any, Any] = {}
+        self._warned: set[str] = set()
+
+    def chunk(self, batch: int) -> int:
+        return self.chunk_size or default_chunk_size(batch)
+
+    def __call__(self, params, batch, key, ids):
+        state, params = self.prepare(params, batch, key)
+        return state.run(params, batch, key, ids)
+
+    def prepare(self, params, batch, key) -> tuple[_Compiled, Any]:
+        """The compiled programs for these inputs, and the params placed on the mesh.
+
+        This is the per-call work that looks at every params leaf (their
+        shardings and placement); :func:`unsplit.bitwise_train_step` skips it
+        when it gets back the params it returned.
+        """
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, batch, key))):
+            raise TypeError(
+                "bitwise=True cannot run inside jax.jit (or another transformation): its "
+                "chunk programs must be compiled on their own, because XLA compiles the same "
+                "computation inside a multi-device program into other bits (docs/bitwise.md). "
+                "Fix: use train = unsplit.bitwise_train_step(step, optimizer), which runs the "
+                "step and a jitted, donated optimizer update in one call; or call the step "
+                "outside jit."
+            )
+        layout = self.layout
+        params = move_onto(
+            params, layout, lambda x: named_spec(x, layout.mesh), "params", self._warned
+        )
+        size = validate.batch_size(batch)
+        chunk = self.chunk(size)
+        return self._state(params, batch, key, size, chunk), params
+
+    def _state(self, params, batch, key, size, chunk) -> _Compiled:
+        structure, arrays = sums.Params.split(params)
+        specs = tuple(getattr(getattr(a, "sharding", None), "spec", None) for a in arrays)
+        shapes = tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(batch))
+        signature = (structure, specs, shapes, jax.tree.structure(batch), size, chunk)
+        try:
+            state = self._plans.get(signature)
+        except TypeError:
+            raise TypeError(
+                "params has a leaf that is neither an array nor hashable. Fix: make it an array, "
+                "or mark it static in your module (eqx.field(static=True))."
+            ) from None
+        if state is None:
+            self._check_schedule(size, chunk)
+            plan, _ = bitwise_plan.make_plan(
+                self.spec, self.layout, params, batch, key, size, chunk
+            )
+            state = _Compiled(self, plan)
+            self._plans[signature] = state
+        return state
+
+    def _check_schedule(self, size: int, chunk: int) -> None:
+        groups = self.layout.shards
+        share = size // groups  # the step has checked that the batch axes divide the batch
+        if share % chunk:
+            raise ValueError(
+                f"bitwise mode needs each device's share of the batch to be a whole number of "
+                f"chunks: batch {size} over {groups} batch device(s) is {share} examples each, "
+                f"not a multiple of chunk_size={chunk}. Fix: pass a chunk_size that divides "
+                f"{share} (the same one for every schedule you compare: it fixes the bits), or "
+                "use fewer devices for the batch."
+            )
+
+
+class _Compiled:
+    """The programs of one plan, compiled on first use, and the per-call placement of inputs."""
+
+    def __init__(self, owner: BitwiseStep, plan: bitwise_plan.Plan):
+        self.owner = owner
+        self.plan = plan
+        mesh = owner.layout.mesh
+        self.shared = _shared(owner.spec)
+        self.pack = self._program(("pack", plan), lambda: programs.pack_program(plan))
+        self.combine = self._program(("combine", plan), lambda: programs.combine_program(plan))
+        if owner.single:
+            device = mesh.devices.flat[0]
+            grad_shardings = [jax.sharding.SingleDeviceSharding(device)] * sum(plan.structure.diff)
+            loss_sharding = jax.sharding.SingleDeviceSharding(device)
+        else:
+            specs = [s for s, d in zip(plan.given, plan.structure.diff, strict=True) if d]
+            grad_shardings = [NamedSharding(mesh, s) for s in specs]
+            loss_sharding = NamedSharding(mesh, P())
+        self.unpack = self._program(
+            ("unpack", plan, owner.single),
+            lambda: programs.unpack_program(plan, grad_shardings, loss_sharding),
+        )
+        me = jax.process_index()
+        self.local_groups = [
+            g
+            for g in range(plan.groups)
+            if any(d.process_index == me for d in plan.group_devices(g).flat)
+        ]
+        self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
+        self.executables: dict[int, Any] = {}
+        gentry = programs._entry(plan.group_axes)
+        self.slots_sharding = NamedSharding(
+            plan.compute, P(programs._entry(owner.layout.batch_axes), None, gentry)
+        )
+        self.total_sharding = NamedSharding(mesh, P(gentry))
+        self.same_mesh = plan.compute.devices.size == mesh.devices.size
+
+    def _program(self, key, build):
+        """A jitted data-movement program, shared like the chunk programs."""
+        if key not in self.shared:
+            self.shared[key] = build()
+        return self.shared[key]
+
+    def run(self, params, batch, key, ids):
+        plan = self.plan
+        vectors = self.pack(params)
+        by_device = [{s.device: s.data for s in v.addressable_shards} for v in vectors]
+        rows = plan.per_group * plan.chunk
+        hi, lo = _id_words(ids, plan.chunks * plan.chunk)
+        inputs = {}
+        for g in self.local_groups:
+            gmesh = plan.group_mesh(g)
+            devices = list(plan.group_devices(g).flat)
+            place = _Placer(gmesh, devices, g * rows, rows)
+            group_vectors = [place.flat(v, by_device[i]) for i, v in enumerate(vectors)]
+            group_rows = (jax.tree.map(place.rows, batch), place.rows(hi), place.rows(lo))
+            chunks = programs.split_chunks(group_rows, plan.chunk)
+            inputs[g] = (group_vectors, chunks, place.whole(key))
+        if not self.executables:
+            self._compile(inputs)
+        blocks, auxes = {}, {}
+        for g in self.local_groups:  # every call is asynchronous: the groups run at once
+            group_vectors, chunks, group_key = inputs[g]
+            run_chunk = self.executables[g]
+            outs = [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
+            acc = reduce.Accumulator(add=programs.add_blocks)
+            for i, (chunk_sums, _) in enumerate(outs):
+                acc.push(g * plan.per_group + i, chunk_sums)
+            blocks[g] = list(acc.blocks.values())  # left to right
+            if self.owner.spec.has_aux:
+                auxes[g] = programs.concat_rows([aux for _, aux in outs])
+        stacked = {g: programs.stack_blocks(blocks[g], plan.slots) for g in self.local_groups}
+        slots = [
+            jax.make_array_from_single_device_arrays(
+                (plan.groups, *stacked[self.local_groups[0]][i].shape[1:]),
+                self.slots_sharding,
+                [s.data for g in self.local_groups for s in stacked[g][i].addressable_shards],
+            )
+            for i in range(len(plan.sums_flat.vectors))
+        ]
+        if jax.process_count() > 1:
+            # Multi-process (gloo on CPU): a collective program dispatched while many one-device
+            # programs are still queued hung under load (measured: 2 processes, 50 steps, a
+            # busy machine). Wait for this process's chunk sums before the combine.
+            jax.block_until_ready(slots)
+        totals = self.combine(*slots)
+        if not self.same_mesh:
+            totals = jax.device_put(totals, self.total_sharding)
+        loss, grads, weight = self.unpack(totals)
+        aux = self._aux(auxes) if self.owner.spec.has_aux else None
+        return loss, grads, aux, weight
+
+    def _compile(self, inputs) -> None:
+        """Traces here (the caller's JAX settings apply), compiles every group in parallel."""
+        args = {g: (v, *chunks[0], k) for g, (v, chunks, k) in inputs.items()}
+        keys = {g: self._key(g, args[g]) for g in self.local_groups}
+        todo = [g for g in self.local_groups if keys[g] not in self.shared]
+        lowered = {g: jax.jit(self.chunk_fns[g]).lower(*args[g]) for g in todo}
+        if lowered:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+                compiled = pool.map(lambda low: low.compile(), lowered.values())
+                done = dict(zip(lowered, compiled, strict=True))
+            for g, compiled in done.items():
+                self.shared[keys[g]] = compiled
+        self.executables.update({g: self.shared[keys[g]] for g in self.local_groups})
+
+    def _key(self, g: int, args) -> Any:
+        """What group ``g``'s chunk program depends on: the params' and sums' flat layouts,
+        its devices and the inputs' shapes -- not the schedule, so a step on 4 devices reuses
+        the programs a step on 8 devices compiled for the same devices."""
+        leaves, treedef = jax.tree.flatten(args)
+        avals = tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
+        devices = self.plan.group_devices(g)
+        plan, spec = self.plan, self.owner.spec
+        return (
+            spec.weighted,
+            spec.has_aux,
+            plan.structure,
+            plan.params_flat,
+            plan.sums_flat,
+            plan.local_specs,
+            plan.group_axes,
+            devices.shape,
+            tuple(d.id for d in devices.flat),
+            treedef,
+            avals,
+        )
+
+    def _aux(self, outputs):
+        """The groups' per-example aux, as global arrays in global-batch order."""
+        plan = self.plan
+        size = plan.chunks * plan.chunk
+        sharding = NamedSharding(plan.compute, P(programs._entry(self.owner.layout.batch_axes)))
+        per_group = [outputs[g] for g in self.local_groups]
+
+        def assemble(*leaves):
+            shards = [s.data for leaf in leaves for s in leaf.addressable_shards]
+            shards = [x for x in shards if x.devices() <= set(sharding.device_set)]
+            return jax.make_array_from_single_device_arrays(
+                (size, *leaves[0].shape[1:]), sharding, shards
+            )
+
+        return jax.tree.map(assemble, *per_group)
+
+
+class _Placer:
+    """Puts a group's inputs on its devices: its rows of the batch, the whole key, its params."""
+
+    def __init__(self, gmesh: Mesh, devices: list, start: int, rows: int):
+        self.gmesh, self.devices, self.start, self.rows_n = gmesh, devices, start, rows
+        self.replicated = NamedSharding(gmesh, P())
+
+    def flat(self, vector, by_device):
+        shards = [by_device[d] for d in self.devices]
+        if len(shards) == 1:
+            return shards[0]
+        axes = tuple(self.gmesh.axis_names)
+        sharding = NamedSharding(self.gmesh, P(axes if len(axes) > 1 else axes[0]))
+        length = shards[0].shape[0] * len(shards)
+        return jax.make_array_from_single_device_arrays((length,), sharding, shards)
+
+    def rows(self, x):
+        stop = self.start + self.rows_n
+        if isinstance(x, jax.Array):
+            found = {}
+            for s in x.addressable_shards:
+                lo = s.index[0].start or 0
+                if lo == self.start and s.data.shape[0] == self.rows_n:
+                    found[s.device] = s.data
+            if all(d in found for d in self.devices):
+                pieces = [found[d] for d in self.devices]
+                if len(pieces) == 1:
+                    return pieces[0]
+                return jax.make_array_from_single_device_arrays(
+                    pieces[0].shape, self.replicated, pieces
+                )
+            if not x.is_fully_addressable:
+                raise ValueError(
+                    "a batch leaf is a global jax.Array whose rows for a local device group live "
+                    "in another process. Fix: build the batch with unsplit.global_batch("
+                    "local_rows, mesh) on the step's mesh."
+                )
+        host = np.asarray(x[self.start : stop])
+        if len(self.devices) == 1:
+            return jax.device_put(host, self.devices[0])
+        return jax.device_put(host, self.replicated)
+
+    def whole(self, x):
+        if len(self.devices) == 1:
+            return jax.device_put(x, self.devices[0])
+        return jax.device_put(x, self.replicated)
+
+
+def _id_words(ids, size: int):
+    """The ids' (hi, lo) words as global or host arrays of shape (B,)."""
+    if ids is None:
+        return np.zeros(size, np.uint32), np.arange(size, dtype=np.uint32)
+    if isinstance(ids, keys_lib.Ids64):
+        return ids.hi, ids.lo
+    if jax.numpy.dtype(ids.dtype).itemsize == 8:
+        return keys_lib.id_words(ids)
+    lo = jax.numpy.asarray(ids).astype(jax.numpy.uint32)
+    return jax.numpy.zeros_like(lo), lo

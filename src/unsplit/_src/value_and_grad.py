@@ -1,0 +1,299 @@
+"""``value_and_grad``: one training step, whatever the schedule.
+
+The user writes the loss of **one** example with its own key. The step vmaps
+it over the examples of a microbatch with ``example_keys(key, ids)``, runs the
+microbatches of each device in a ``lax.scan`` (activation memory of one
+microbatch), sums loss, weight and gradient over the devices, and divides once
+by the global weight. Data parallelism and gradient accumulation are therefore
+the same function of ``(params, global batch, ids, key)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from unsplit._src import keys as keys_lib
+from unsplit._src.audit import finding as audit_finding
+from unsplit._src.audit import loss as audit_loss
+from unsplit._src.processes import agreement
+from unsplit._src.step import sums, validate
+from unsplit._src.step.default import DefaultStep
+from unsplit._src.step.layout import Layout
+
+LossFn = sums.LossFn
+
+
+def value_and_grad(
+    loss_fn: LossFn,
+    *,
+    weighted: bool = False,
+    has_aux: bool = False,
+    microbatches: int = 1,
+    mesh: jax.sharding.Mesh | None = None,
+    batch_axes: str | tuple[str, ...] | None = None,
+    bitwise: bool = False,
+    chunk_size: int | None = None,
+    audit: bool = False,
+    checked: bool = False,
+) -> Step:
+    """Makes a schedule-invariant ``(loss, grads)`` step from a one-example loss.
+
+    Args:
+        loss_fn: ``loss_fn(params, example, key)`` for ONE example (no batch
+            axis) with its own PRNG key. It returns a scalar loss; with
+            ``weighted=True`` a pair ``(loss_sum, weight)`` such as (sum of token
+            losses, number of tokens); with ``has_aux=True`` a pair
+            ``(that, aux)`` where ``aux`` is any pytree of per-example outputs.
+        weighted: whether ``loss_fn`` returns ``(loss_sum, weight)``. The step
+            loss is ``sum(loss_sum) / sum(weight)`` over the global batch
+            (never a mean of microbatch means); unweighted, it is the mean over
+            examples. Weights are data: no gradient flows through them. A
+            total weight that is not a positive finite number gives nan loss
+            and grads (computed on device, no host read-back).
+        has_aux: whether ``loss_fn`` returns ``(loss, aux)``; the step then
+            returns ``((loss, aux), grads)`` like ``jax.value_and_grad``, with
+            ``aux`` stacked per example in global-batch order (leading axis
+            ``B``, sharded like the batch), the same for every schedule.
+        microbatches: each device runs its share of the batch as this many
+            sequential microbatches (gradient accumulation); the result is the
+            same as with 1.
+        mesh: a ``jax.sharding.Mesh`` (Explicit or Auto axes, one or several
+            processes); ``None`` runs on one device.
+        batch_axes: the mesh axis name (or tuple of names) the global batch is
+            split over; default: the mesh's first axis. Params may be sharded
+            over any axes (FSDP over the batch axes, tensor parallel over the
+            others) and keep their shardings; so do the grads.
+        bitwise: make loss and grads bit-identical for every (devices,
+            microbatches, processes) schedule of the same global batch; see
+            ``docs/bitwise.md``.
+        chunk_size: bitwise mode's fixed unit of work, in examples (default:
+            depends on the global batch size only).
+        audit: on the first call, run every per-example check of
+            :func:`unsplit.audit` (by tracing, nothing runs) and raise
+            :class:`~unsplit._src.audit.finding.AuditError` on any finding: for
+            CI. Without it, the first call still refuses a loss that draws
+            from a key it did not get as its third argument (``foreign_key``).
+
+    Returns:
+        A :class:`Step`; ``step(params, batch, key, ids=None)`` returns
+        ``(loss, grads)`` (``((loss, aux), grads)`` with ``has_aux``).
+        ``params`` is any pytree: grads for its inexact array leaves, ``None``
+        for every other leaf (as ``equinox.filter_value_and_grad``). ``batch``
+        is a pytree whose leaves all have the global batch size ``B`` as
+        leading axis; ``ids`` (shape ``(B,)``, default ``arange(B)``) are the
+        examples' global ids.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, unsplit
+        >>> def loss_fn(w, x, key):
+        ...     keep = jax.random.bernoulli(key, 0.9, x.shape)
+        ...     return jnp.sum((jnp.where(keep, x / 0.9, 0.0) @ w) ** 2)
+        >>> w, x, key = jnp.ones((3, 2)), jnp.ones((8, 3)), jax.random.key(0)
+        >>> l1, g1 = unsplit.value_and_grad(loss_fn)(w, x, key)
+        >>> l4, g4 = unsplit.value_and_grad(loss_fn, microbatches=4)(w, x, key)
+        >>> bool(jnp.allclose(l1, l4)) and bool(jnp.allclose(g1, g4))
+        True
+    """
+    return Step(
+        loss_fn,
+        weighted=weighted,
+        has_aux=has_aux,
+        microbatches=microbatches,
+        mesh=mesh,
+        batch_axes=batch_axes,
+        bitwise=bitwise,
+        chunk_size=chunk_size,
+        audit=audit,
+        checked=checked,
+    )
+
+
+class Step:
+    """A compiled-once ``(loss, grads)`` step; made by :func:`value_and_grad`.
+
+    Calling it validates the inputs on the host (shapes and dtypes only; it
+    never waits for the device), then runs a program that is traced and
+    compiled once per input shapes and params layout: later calls reuse it.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        *,
+        weighted: bool = False,
+        has_aux: bool = False,
+        microbatches: int = 1,
+        mesh: jax.sharding.Mesh | None = None,
+        batch_axes: str | tuple[str, ...] | None = None,
+        bitwise: bool = False,
+        chunk_size: int | None = None,
+        audit: bool = False,
+        checked: bool = False,
+    ):
+        validate.check_callable(loss_fn)
+        validate.check_microbatches(microbatches)
+        validate.check_mesh(mesh)
+        self.spec = sums.LossSpec(
+            loss_fn,
+            weighted=validate.check_flag("weighted", weighted),
+            has_aux=validate.check_flag("has_aux", has_aux),
+        )
+        self.microbatches = int(microbatches)
+        self.layout = Layout.make(mesh, batch_axes)
+        self.bitwise = validate.check_flag("bitwise", bitwise)
+        self.chunk_size = chunk_size
+        self.audit = validate.check_flag("audit", audit)
+        self.checked = validate.check_flag("checked", checked)
+        self._agreed = False  # several processes: agreed on the first call
+        self._audited = False
+        if self.bitwise:
+            from unsplit._src.bitwise import step as bitwise_lib
+
+            self._impl = bitwise_lib.BitwiseStep(self.spec, self.layout, chunk_size)
+        else:
+            if chunk_size is not None:
+                raise ValueError(
+                    f"chunk_size={chunk_size} only applies with bitwise=True; got bitwise=False. "
+                    "Fix: drop chunk_size, or pass bitwise=True."
+                )
+            self._impl = DefaultStep(self.spec, self.layout, self.microbatches, self.settings())
+
+    @property
+    def loss_fn(self) -> LossFn:
+        return self.spec.loss_fn
+
+    @property
+    def weighted(self) -> bool:
+        return self.spec.weighted
+
+    @property
+    def has_aux(self) -> bool:
+        return self.spec.has_aux
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh | None:
+        return self.layout.mesh
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return self.layout.batch_axes
+
+    @property
+    def num_devices(self) -> int:
+        """How many shares the global batch is split into (the batch axes' devices)."""
+        return self.layout.shards
+
+    def __repr__(self) -> str:
+        name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
+        mesh = None if self.mesh is None else dict(self.mesh.shape)
+        return (
+            f"Step({name}, weighted={self.weighted}, has_aux={self.has_aux}, "
+            f"microbatches={self.microbatches}, mesh={mesh}, batch_axes={self.batch_axes}, "
+            f"bitwise={self.bitwise})"
+        )
+
+    def settings(self) -> dict[str, Any]:
+        """What fixes the computation, besides the inputs (agreed between processes)."""
+        return {
+            "mode": "bitwise" if self.bitwise else "default",
+            "chunk_size": self.chunk_size,
+            "microbatches": self.microbatches,
+            "weighted": self.weighted,
+            "has_aux": self.has_aux,
+            "batch_axes": self.batch_axes,
+            "mesh": self.mesh,
+        }
+
+    def _checked(self, params: Any, batch: Any, key: jax.Array, ids: Any) -> Any:
+        """Validates the inputs; on a multi-process first call, also agrees on them.
+
+        Every process runs its own checks first; then one small collective
+        compares settings, params, key and batch, so a mistake on one process
+        (or processes that disagree) raises on all of them before any work. Inside
+        the caller's jit the comparison happens on device instead (see
+        :mod:`unsplit._src.step.default`).
+        """
+        if self._agreed or not agreement.needed() or _traced((params, batch, key, ids)):
+            return self._validated(batch, key, ids)
+        what = f"the first call of {self!r}"
+        with agreement.agreeing(what, fixes=agreement.STEP_FIXES) as items:
+            ids = self._validated(batch, key, ids)
+            items.update(agreement.step_items(self.settings(), params, batch, key, ids))
+        self._agreed = True
+        return ids
+
+    def _validated(self, batch: Any, key: jax.Array, ids: Any) -> Any:
+        batch_size = validate.batch_size(batch)
+        # Bitwise mode computes one chunk at a time whatever the microbatches: they never
+        # make it refuse (its own check is that each device's share is whole chunks).
+        microbatches = 1 if self.bitwise else self.microbatches
+        validate.check_schedule(batch_size, self.num_devices, microbatches, self.batch_axes)
+        if self.mesh is None:
+            validate.check_single_device_batch(batch)
+        keys_lib.check_key(key)
+        return validate.ids_words(ids, batch_size)
+
+    def _audit_once(self, params: Any, batch: Any, key: jax.Array) -> None:
+        """First call: trace the loss on one example and refuse schedule-dependent noise."""
+        if self._audited:
+            return
+        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+        kinds = None if self.audit else ("foreign_key",)
+        findings = audit_loss.audit_loss(
+            self.loss_fn, params, example, key, weighted=self.weighted, kinds=kinds
+        )
+        errors = {f.kind for f in findings} - {"audit_error"} if self.audit else {"foreign_key"}
+        audit_finding.raise_for(findings, kinds=errors)
+        self._audited = True
+
+    def lower(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
+        """The compiled program a call with these inputs runs, lowered (default mode).
+
+        Like ``jax.jit(f).lower(...)``: ``step.lower(...).compile()`` gives its
+        ``memory_analysis()`` and ``cost_analysis()``.
+        """
+        if self.bitwise:
+            raise NotImplementedError(
+                "bitwise mode runs several programs per step (one per device group and the "
+                "fixed-order reduction); lower() describes default mode's single program. "
+                "Fix: call lower() on a bitwise=False step to inspect its program."
+            )
+        return self._impl.lower(params, batch, key, self._checked(params, batch, key, ids))
+
+    def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
+        ids = self._checked(params, batch, key, ids)
+        self._audit_once(params, batch, key)
+        try:
+            loss, grads, aux, weight = self._impl(params, batch, key, ids)
+        except jax.errors.JaxRuntimeError as e:
+            raise _with_memory_hint(e, self) from e
+        if self.checked:
+            validate.check_result(loss, weight)
+        if self.has_aux:
+            return (loss, aux), grads
+        return loss, grads
+
+
+def _traced(tree: Any) -> bool:
+    """Whether the call is being traced (inside the caller's jit): looks at few leaves.
+
+    ``tree`` is ``(params, batch, key, ids)``; only the first params leaf is
+    looked at, so the check costs nothing per parameter.
+    """
+    params, *rest = tree
+    first = jax.tree.leaves(params)[:1]
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((first, *rest)))
+
+
+def _with_memory_hint(error: Exception, step: Step) -> Exception:
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
+        return error
+    return type(error)(
+        f"{text}\n\nunsplit: the step ran out of device memory. Activation memory grows with "
+        f"the examples each device processes at once (now {step.microbatches} microbatch(es) "
+        "per device). Fix: raise microbatches=... (the result does not change), add devices "
+        "to the batch axes, or shard the params (FSDP / tensor parallel)."
+    )
