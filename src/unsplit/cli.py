@@ -225,7 +225,9 @@ def _add_audit_parser(sub) -> None:
 
 def _audit(args: argparse.Namespace) -> int:
     setup_jax_environment()
-    from unsplit._src.audit import report as audit_report  # imports jax's backend: after the setup above
+    from unsplit._src.audit import (
+        report as audit_report,
+    )  # imports jax's backend: after the setup above
 
     try:
         factory = audit_report.load_factory(args.target)

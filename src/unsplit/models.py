@@ -4,6 +4,8 @@
 on its residual branches and attention weights (unsplit's drop-ins by default;
 ``with_flax_dropout(model)`` swaps in Flax's own). It is written for ONE example
 (``tokens: int[L]``), the way :func:`unsplit.value_and_grad` calls a loss.
+``megatron_specs``, ``tensor_parallel_specs`` and ``fsdp_specs`` give its params'
+PartitionSpecs for tensor parallel and FSDP layouts; ``on_mesh`` places them.
 
 Example:
     >>> import jax
@@ -18,6 +20,10 @@ Example:
     ((), ())
 """
 
+from unsplit._src.models.specs import fsdp_specs as fsdp_specs
+from unsplit._src.models.specs import megatron_specs as megatron_specs
+from unsplit._src.models.specs import on_mesh as on_mesh
+from unsplit._src.models.specs import tensor_parallel_specs as tensor_parallel_specs
 from unsplit._src.models.transformer import Block as Block
 from unsplit._src.models.transformer import Transformer as Transformer
 from unsplit._src.models.transformer import TransformerConfig as TransformerConfig
@@ -31,9 +37,13 @@ __all__ = [
     "Block",
     "Transformer",
     "TransformerConfig",
+    "fsdp_specs",
     "init_params",
     "mean_loss",
+    "megatron_specs",
+    "on_mesh",
     "synthetic_batch",
+    "tensor_parallel_specs",
     "token_loss",
     "with_flax_dropout",
 ]

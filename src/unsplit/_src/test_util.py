@@ -15,6 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from unsplit._src.models import transformer as tf
+from unsplit._src.models.specs import fsdp_specs as fsdp_specs
+from unsplit._src.models.specs import megatron_specs as megatron_specs
+from unsplit._src.models.specs import on_mesh as replicated
+from unsplit._src.models.specs import tensor_parallel_specs as tensor_parallel_specs
+from unsplit._src.trees import bits_equal as bits_equal
+from unsplit._src.trees import rel_l2 as rel_l2
 
 CONFIG = tf.TransformerConfig(vocab=32, length=16, width=32, heads=2, layers=1)
 
@@ -26,28 +32,6 @@ def problem(batch: int = 64, seed: int = 0, config: tf.TransformerConfig = CONFI
     params = tf.init_params(model, seed)
     data = jax.tree.map(np.asarray, tf.synthetic_batch(config, batch, seed=seed + 1))
     return model, params, data
-
-
-def rel_l2(a: Any, b: Any) -> float:
-    """Relative L2 distance of two pytrees, over all their leaves together."""
-    la = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(a)]
-    lb = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(b)]
-    num = sum(float(np.sum((x - y) ** 2)) for x, y in zip(la, lb, strict=True))
-    den = sum(float(np.sum(y**2)) for y in lb)
-    return float(np.sqrt(num / max(den, 1e-300)))
-
-
-def bits_equal(a: Any, b: Any) -> bool:
-    """True when two pytrees have the same structure and bit-identical leaves."""
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    if ta != tb:
-        return False
-    return all(
-        np.asarray(x).dtype == np.asarray(y).dtype
-        and np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
-        for x, y in zip(la, lb, strict=True)
-    )
 
 
 def batch_level_loss(model: tf.Transformer):
@@ -90,21 +74,6 @@ def naive_value_and_grad(model, params, batch, shard_keys: list[jax.Array]):
 def weighted_loss():
     """The tests' weighted token loss, one object so compiled chunk programs are shared."""
     return tf.token_loss(problem()[0])
-
-
-def replicated(tree: Any, mesh: jax.sharding.Mesh, specs: Any = None) -> Any:
-    """Host values as arrays on ``mesh`` (any process count): replicated, or with ``specs``."""
-    if specs is None:
-        specs = jax.tree.map(lambda _: jax.P(), tree)
-    return jax.tree.map(
-        lambda x, spec: jax.make_array_from_callback(
-            np.shape(x),
-            jax.sharding.NamedSharding(mesh, spec),
-            lambda idx, x=x: np.asarray(x)[idx],
-        ),
-        tree,
-        specs,
-    )
 
 
 def train(
@@ -156,58 +125,6 @@ def train(
             key = jax.random.fold_in(jax.random.key(seed), s)
             _, params, state = train_step(params, state, batch, key)
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), params)
-
-
-def tensor_parallel_specs(params: Any, axis: str = "model") -> Any:
-    """PartitionSpecs sharding every matrix's last dimension over ``axis``.
-
-    Not Megatron's layout (see :func:`megatron_specs`): activations end up sharded on
-    their features, so XLA inserts collectives all over the model (a stress test of
-    the partitioner, not an efficient layout).
-    """
-    return jax.tree.map(
-        lambda x: jax.P(*([None] * (np.ndim(x) - 1)), axis) if np.ndim(x) >= 2 else jax.P(), params
-    )
-
-
-def megatron_specs(params: Any, axis: str = "model") -> Any:
-    """Megatron tensor parallelism for Flax transformer params (``unsplit.models.Transformer``).
-
-    Attention: query/key/value kernels ``[in, heads, head_dim]`` and their biases
-    sharded over heads, the output kernel ``[heads, head_dim, out]`` over heads
-    (its bias replicated); the MLP of a block: the up projection (``Dense_0``)
-    column-parallel, the down projection (``Dense_1``) row-parallel. Everything else
-    (embeddings, LayerNorms, the output head) replicated. Per block, the forward pass
-    then needs one all-reduce after attention and one after the MLP.
-    """
-
-    def spec(path, x):
-        names = [str(getattr(k, "key", k)) for k in path]
-        ndim = np.ndim(x)
-        if any(n.startswith("MultiHeadDotProductAttention") for n in names):
-            if names[-2] in ("query", "key", "value"):
-                return jax.P(*([None] * (ndim - 2)), axis, None)
-            if names[-2] == "out" and names[-1] == "kernel":
-                return jax.P(axis, *([None] * (ndim - 1)))
-        elif any(n.startswith("Block") for n in names):
-            if names[-2] == "Dense_0":
-                return jax.P(*([None] * (ndim - 1)), axis)
-            if names[-2] == "Dense_1" and names[-1] == "kernel":
-                return jax.P(axis, None)
-        return jax.P(*([None] * ndim))
-
-    return jax.tree_util.tree_map_with_path(spec, params)
-
-
-def fsdp_specs(params: Any, axis: str = "data", size: int = 2) -> Any:
-    """PartitionSpecs sharding each leaf's first dimension over ``axis`` where it divides."""
-
-    def spec(x):
-        if np.ndim(x) and np.shape(x)[0] % size == 0:
-            return jax.P(axis, *([None] * (np.ndim(x) - 1)))
-        return jax.P()
-
-    return jax.tree.map(spec, params)
 
 
 def local_value(x: jax.Array) -> np.ndarray:

@@ -1,5 +1,9 @@
 """Test a training step on several local JAX processes, as unsplit's own tests do.
 
+``bits_equal(a, b)`` compares two pytrees bit for bit (what bitwise mode
+promises across schedules); ``rel_l2(a, b)`` is their relative distance (what
+default mode keeps at float-rounding size).
+
 ``run_local_processes`` starts ``num_processes`` Python processes on this
 machine, each with ``devices_per_process`` simulated CPU devices, joined by
 ``jax.distributed`` over gloo on 127.0.0.1. Each runs ``module:function(**kwargs)``
@@ -26,5 +30,7 @@ Example:
 from unsplit._src.processes.launch import LaunchError as LaunchError
 from unsplit._src.processes.launch import free_port as free_port
 from unsplit._src.processes.launch import run_local_processes as run_local_processes
+from unsplit._src.trees import bits_equal as bits_equal
+from unsplit._src.trees import rel_l2 as rel_l2
 
-__all__ = ["LaunchError", "free_port", "run_local_processes"]
+__all__ = ["LaunchError", "bits_equal", "free_port", "rel_l2", "run_local_processes"]

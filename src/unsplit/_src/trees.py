@@ -1,0 +1,40 @@
+"""Comparing pytrees: bit-for-bit equality and relative distance.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from unsplit.testing import bits_equal, rel_l2
+    >>> a = {"w": jnp.ones(3)}
+    >>> bits_equal(a, {"w": jnp.ones(3)}), bits_equal(a, {"w": jnp.ones(3) + 1e-7})
+    (True, False)
+    >>> round(rel_l2({"w": jnp.array([1.0, 1.0])}, {"w": jnp.array([1.0, 0.0])}), 3)
+    1.0
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def rel_l2(a: Any, b: Any) -> float:
+    """Relative L2 distance ``|a - b| / |b|`` of two pytrees, over all their leaves together."""
+    la = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(a)]
+    lb = [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(b)]
+    num = sum(float(np.sum((x - y) ** 2)) for x, y in zip(la, lb, strict=True))
+    den = sum(float(np.sum(y**2)) for y in lb)
+    return float(np.sqrt(num / max(den, 1e-300)))
+
+
+def bits_equal(a: Any, b: Any) -> bool:
+    """True when two pytrees have the same structure, dtypes and bit-identical leaves."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    if ta != tb:
+        return False
+    return all(
+        np.asarray(x).dtype == np.asarray(y).dtype
+        and np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
+        for x, y in zip(la, lb, strict=True)
+    )
