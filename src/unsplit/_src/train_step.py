@@ -24,7 +24,7 @@ from unsplit._src.step import validate
 from unsplit._src.value_and_grad import Step
 
 
-def bitwise_train_step(step: Step, optimizer: optax.GradientTransformation) -> Callable:
+def train_step(step: Step, optimizer: optax.GradientTransformation) -> Callable:
     """A train function for ``step``: ``train(params, opt_state, batch, key, ids=None)``.
 
     Args:
@@ -49,7 +49,7 @@ def bitwise_train_step(step: Step, optimizer: optax.GradientTransformation) -> C
         ...     return jnp.sum(jnp.where(keep, x, 0.0) @ w) ** 2
         >>> step = unsplit.value_and_grad(loss_fn, bitwise=True)
         >>> optimizer = optax.sgd(1e-3)
-        >>> train = unsplit.bitwise_train_step(step, optimizer)
+        >>> train = unsplit.train_step(step, optimizer)
         >>> w = jnp.ones((3, 2))
         >>> state = optimizer.init(w)
         >>> loss, w, state = train(w, state, jnp.ones((8, 3)), jax.random.key(0))
@@ -110,3 +110,7 @@ class _BitwiseTrain:
         self._returned = params
         out = (loss, aux) if step.has_aux else loss
         return out, params, opt_state
+
+
+#: The name this function had first; the same function (both modes).
+bitwise_train_step = train_step
