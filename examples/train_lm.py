@@ -10,19 +10,23 @@ Run from the repository root with unsplit installed (``./dev test`` or
     python examples/train_lm.py --steps 20 --devices 2 --processes 2 --microbatches 1 \\
         --bitwise --ckpt-dir /tmp/run --save-every 4 --resume --params-out params.npz
 
-The model and data are unsplit's demo: a causal transformer with dropout on
-the characters of Python's standard library source (``unsplit.demo.data.Windows``
-records). The data order comes from grain (``unsplit.data.global_steps``: the
-records of global step ``s`` depend on ``(seed, epoch, s)`` only), every
-example's noise from its record id, checkpoints from orbax
-(``unsplit.checkpoint``). With ``--bitwise`` the resumed run ends with exactly
+The model is the small causal transformer with dropout of ``unsplit.models``;
+the data, the characters of Python's own standard library source
+(:class:`TextWindows`, nothing to download). The data order comes from grain
+(``unsplit.data.global_steps``: the records of global step ``s`` depend on
+``(seed, epoch, s)`` only), every example's noise from its record id,
+checkpoints from orbax (``unsplit.checkpoint``), the update from
+``unsplit.train_step``. With ``--bitwise`` the resumed run ends with exactly
 the parameters of an uninterrupted one; see docs/elastic.md.
+
+Only unsplit's public API is used: copy this file as the start of your own run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -30,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 EPILOG = """\
 what may change between a save and --resume: --devices, --processes, --microbatches.
@@ -207,16 +212,8 @@ def train(args: argparse.Namespace) -> int:
     import numpy as np
 
     import unsplit
-    from unsplit.demo import elastic
 
-    config = elastic.ElasticConfig(
-        global_batch=args.global_batch, length=args.length, width=args.width,
-        layers=args.layers, heads=args.heads, dropout=args.dropout,
-        learning_rate=args.learning_rate, seed=args.seed, bitwise=args.bitwise,
-        chunk_size=args.chunk_size, microbatches=args.microbatches,
-    )  # fmt: skip
-    mesh = elastic.mesh_over(args.devices)
-    run = elastic.setup(config, mesh)
+    run = setup(args, mesh_over(args.devices))
     lead = jax.process_index() == 0
     say = Reporter(args, lead)
     topology = {"processes": jax.process_count(), "devices": args.devices,
@@ -244,12 +241,13 @@ def train(args: argparse.Namespace) -> int:
         f"training steps {start}..{args.steps} on {describe(topology)}, "
         f"{'bitwise' if args.bitwise else 'default'} mode, global batch {args.global_batch}"
     )
-    update = elastic.train_step(run.step, run.optimizer)
     tokens_per_step = args.global_batch * args.length
     say.start(start, args.steps)
     for s in range(start, args.steps):
-        batch, ids, key = elastic.global_step(run, s)
-        loss, params, opt_state = update(params, opt_state, batch, key, ids)
+        rows, ids = run.steps[s]  # this process's rows of global step s, their record ids
+        batch, ids = unsplit.global_batch(rows, run.mesh, ids)
+        key = jax.random.fold_in(jax.random.key(args.seed), s)
+        loss, params, opt_state = run.train(params, opt_state, batch, key, ids=ids)
         done = s + 1
         if ckpt is not None and (done % args.save_every == 0 or done == args.steps):
             ckpt.save(done, (params, opt_state), info=topology)
@@ -264,7 +262,7 @@ def train(args: argparse.Namespace) -> int:
     if ckpt is not None:
         ckpt.close()
     if args.params_out and lead:
-        arrays = elastic.host_params(params)
+        arrays = host_params(params)
         tmp = args.params_out + ".tmp.npz"
         np.savez(tmp, **arrays)
         os.replace(tmp, args.params_out)
@@ -272,6 +270,198 @@ def train(args: argparse.Namespace) -> int:
     if args.process_id is not None:
         jax.distributed.shutdown()
     return 0
+
+
+# The run: model, data, step and optimizer on a mesh --------------------------------------
+
+#: Standard-library modules whose source is the text (present in every CPython 3.11+).
+MODULES = ("argparse", "json.decoder", "json.encoder", "textwrap", "dataclasses", "functools",
+           "string", "fractions")  # fmt: skip
+#: The vocabulary: newline, then printable ASCII; any other character becomes "?".
+ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
+#: Flags that fix the result: a resumed run must keep them (``--microbatches`` etc. may change).
+FIXED = ("global_batch", "length", "width", "layers", "heads", "dropout", "learning_rate",
+         "seed", "bitwise")  # fmt: skip
+
+
+class TextWindows:
+    """The records: windows of the standard library's source, each with its own length.
+
+    Record ``r`` is the window of ``length + 1`` characters at ``r * length``,
+    keeping its first ``n_r`` tokens (``n_r`` in ``[length // 4, length]``,
+    fixed per record); the rest is padding with mask 0, so examples are ragged
+    and the loss's token weighting matters. Every Python installation has the
+    text, so there is nothing to download. ``__len__`` and ``__getitem__`` make
+    it a random-access source for grain (``unsplit.data.global_steps``).
+    """
+
+    def __init__(self, length: int):
+        import numpy as np
+
+        symbols = {c: i for i, c in enumerate(ALPHABET)}
+        text = stdlib_text().replace("\t", "    ")
+        unknown = symbols["?"]
+        self.tokens = np.array([symbols.get(c, unknown) for c in text], np.int32)
+        self.length = length
+
+    def __len__(self) -> int:
+        return (self.tokens.size - 1) // self.length
+
+    def __getitem__(self, record: int) -> dict:
+        import numpy as np
+
+        record, n = int(record), self.length
+        if not 0 <= record < len(self):
+            raise IndexError(f"record {record} is not in [0, {len(self)}).")
+        keep = np.random.default_rng((1, record)).integers(n // 4, n + 1)
+        window = self.tokens[record * n : record * n + n + 1]
+        mask = np.arange(n) < keep
+        return {
+            "inputs": np.where(mask, window[:-1], 0).astype(np.int32),
+            "targets": np.where(mask, window[1:], 0).astype(np.int32),
+            "mask": mask.astype(np.float32),
+        }
+
+
+def stdlib_text() -> str:
+    """The source of :data:`MODULES`, concatenated (the first 400,000 characters)."""
+    import importlib.util
+    import pathlib
+
+    parts = []
+    for name in MODULES:
+        origin = importlib.util.find_spec(name).origin or ""
+        if not origin.endswith(".py"):
+            raise RuntimeError(
+                f"the standard library module {name} has no source file here ({origin!r}). "
+                "Fix: run with a standard CPython installation, which ships its .py files."
+            )
+        parts.append(pathlib.Path(origin).read_text(encoding="utf-8", errors="replace"))
+    return "\n".join(parts)[:400_000]
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything the loop needs on one mesh (see :func:`setup`)."""
+
+    mesh: Any  # jax.sharding.Mesh
+    steps: Any  # unsplit.data.GlobalSteps: this process's rows of every global step
+    train: Any  # unsplit.train_step: (params, opt_state, batch, key, ids) -> (loss, ...)
+    params: Any
+    opt_state: Any
+    settings: dict  # what a resumed run must keep, checked by unsplit.checkpoint
+
+
+def setup(args: argparse.Namespace, mesh) -> Run:
+    """The model, data order, unsplit step, Adam and replicated initial state on ``mesh``."""
+    import jax
+    import optax
+
+    import unsplit
+    from unsplit import models
+
+    source = TextWindows(args.length)
+    steps = unsplit.data.global_steps(
+        source, global_batch=args.global_batch, seed=args.seed, mesh=mesh
+    )
+    model = models.Transformer(
+        models.TransformerConfig(
+            vocab=len(ALPHABET), length=args.length, width=args.width, heads=args.heads,
+            layers=args.layers, dropout=args.dropout, attention_dropout=args.dropout,
+        )
+    )  # fmt: skip
+    step = unsplit.value_and_grad(
+        models.token_loss(model),  # (sum of token losses, tokens): normalized globally
+        weighted=True,
+        microbatches=args.microbatches,
+        mesh=mesh,
+        bitwise=args.bitwise,
+        chunk_size=chunk_size(args),
+    )
+    optimizer = optax.adam(args.learning_rate)
+    params = jax.device_get(models.init_params(model, args.seed))
+    opt_state = jax.device_get(optimizer.init(params))
+    return Run(
+        mesh=mesh,
+        steps=steps,
+        train=unsplit.train_step(step, optimizer),  # donates params and opt_state
+        params=replicate(params, mesh),
+        opt_state=replicate(opt_state, mesh),
+        settings=settings(args, len(source)),
+    )
+
+
+def chunk_size(args: argparse.Namespace) -> int | None:
+    """Bitwise mode's unit of work: ``--chunk-size``, by default 1 (resumes on any schedule)."""
+    return (args.chunk_size or 1) if args.bitwise else None
+
+
+def settings(args: argparse.Namespace, records: int) -> dict:
+    """The values a resumed run must keep (checked by ``unsplit.checkpoint`` on resume).
+
+    Seed, global batch and the dataset's size fix each step's records and
+    noise; the model, optimizer and mode fix the function; in bitwise mode the
+    chunk size and JAX's version fix the bits.
+    """
+    fixed = {name: getattr(args, name) for name in FIXED}
+    fixed["chunk_size"] = chunk_size(args)
+    fixed["records"] = records
+    if args.bitwise:
+        import jax
+        import jaxlib
+
+        fixed["jax"], fixed["jaxlib"] = jax.__version__, jaxlib.__version__
+    return fixed
+
+
+def mesh_over(devices_per_process: int):
+    """A 1-D ``("data",)`` mesh over the first ``devices_per_process`` devices of every process."""
+    import jax
+
+    chosen = []
+    for p in range(jax.process_count()):
+        mine = [d for d in jax.devices() if d.process_index == p]
+        if len(mine) < devices_per_process:
+            raise RuntimeError(
+                f"process {p} has {len(mine)} devices; the run asked for {devices_per_process} "
+                "per process. Fix: fewer devices, or on CPU set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={devices_per_process} "
+                "before jax starts (main() does)."
+            )
+        chosen += mine[:devices_per_process]
+    return jax.make_mesh(
+        (len(chosen),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=chosen
+    )
+
+
+def replicate(tree, mesh):
+    """Host values as arrays replicated on every device of ``mesh`` (any process count)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(mesh, P())
+
+    def one(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    # Through a jit, so the arrays carry the mesh in their type exactly as the optimizer
+    # update's outputs do; otherwise the step's programs compile again at the second step.
+    return jax.jit(lambda t: t, out_shardings=sharding)(jax.tree.map(one, tree))
+
+
+def host_params(params) -> dict:
+    """Replicated params as host arrays keyed by their tree path (``jax.tree_util.keystr``)."""
+    import jax
+    import numpy as np
+
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {jax.tree_util.keystr(p): np.asarray(x.addressable_data(0)) for p, x in flat}
+
+
+# Output and local processes ----------------------------------------------------------------
 
 
 def describe(t: dict) -> str:

@@ -8,14 +8,17 @@ on N devices, or as k gradient-accumulation microbatches.
 For a whole run, :mod:`unsplit.data` defines which records form every global
 step whatever the topology (on grain), and :mod:`unsplit.checkpoint` saves and
 restores the run onto any mesh and process count (with orbax).
+
+``pip install unsplit`` needs only JAX, NumPy, optax and rich. The integrations
+are extras, imported on first use: ``unsplit.linen``, ``unsplit.nnx`` and
+``unsplit.models`` (``unsplit[flax]``), ``unsplit.equinox`` (``unsplit[equinox]``),
+``unsplit.data`` (``unsplit[data]``: grain), ``unsplit.checkpoint``
+(``unsplit[checkpoint]``: orbax); without its library, a module raises an
+ImportError naming the extra.
 """
 
-from unsplit import checkpoint as checkpoint
-from unsplit import data as data
-from unsplit import equinox as equinox
-from unsplit import linen as linen
-from unsplit import models as models
-from unsplit import nnx as nnx
+import importlib as _importlib
+
 from unsplit import testing as testing
 from unsplit._src.audit.api import audit as audit
 from unsplit._src.audit.api import audit_step as audit_step
@@ -35,6 +38,20 @@ from unsplit._src.value_and_grad import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
 
+#: Integrations, imported on first access (each needs an extra; see the module docstring).
+_INTEGRATIONS = ("checkpoint", "data", "equinox", "linen", "models", "nnx")
+
+
+def __getattr__(name: str):
+    if name in _INTEGRATIONS:
+        return _importlib.import_module(f"unsplit.{name}")
+    raise AttributeError(f"module 'unsplit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_INTEGRATIONS})
+
+
 __all__ = [
     "AgreementError",
     "AuditError",
@@ -45,16 +62,10 @@ __all__ = [
     "audit",
     "audit_step",
     "bitwise_train_step",
-    "checkpoint",
-    "data",
     "dropout",
-    "equinox",
     "example_keys",
     "global_batch",
     "ids64",
-    "linen",
-    "models",
-    "nnx",
     "testing",
     "train_step",
     "value_and_grad",

@@ -6,6 +6,10 @@ run's invariance settings; ``restore(like=state)`` reads the state onto this
 run's mesh and processes after checking the settings. See docs/elastic.md.
 """
 
+from unsplit._src.extras import require
+
+require("orbax.checkpoint", extra="checkpoint", what="unsplit.checkpoint")
+
 from unsplit._src.elastic.checkpoint import Checkpointer as Checkpointer
 from unsplit._src.elastic.checkpoint import SettingsMismatch as SettingsMismatch
 

@@ -13,6 +13,10 @@ Example:
     (1, (4,), True)
 """
 
+from unsplit._src.extras import require
+
+require("grain", extra="data", what="unsplit.data")
+
 from unsplit._src.elastic.data import DataSettings as DataSettings
 from unsplit._src.elastic.data import GlobalSteps as GlobalSteps
 from unsplit._src.elastic.data import global_steps as global_steps

@@ -14,6 +14,10 @@ Example:
     True
 """
 
+from unsplit._src.extras import require
+
+require("equinox", extra="equinox", what="unsplit.equinox")
+
 from unsplit._src.dropout.equinox import Dropout as Dropout
 
 __all__ = ["Dropout"]

@@ -19,6 +19,10 @@ Example:
     (2, 8, 4)
 """
 
+from unsplit._src.extras import require
+
+require("flax", extra="flax", what="unsplit.linen")
+
 from unsplit._src.dropout.attention import linen_dot_product_attention as dot_product_attention
 from unsplit._src.dropout.linen import Dropout as Dropout
 

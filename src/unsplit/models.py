@@ -20,6 +20,10 @@ Example:
     ((), ())
 """
 
+from unsplit._src.extras import require
+
+require("flax", extra="flax", what="unsplit.models")
+
 from unsplit._src.models.specs import fsdp_specs as fsdp_specs
 from unsplit._src.models.specs import megatron_specs as megatron_specs
 from unsplit._src.models.specs import on_mesh as on_mesh

@@ -18,6 +18,10 @@ Example:
     (2, 4)
 """
 
+from unsplit._src.extras import require
+
+require("flax", extra="flax", what="unsplit.nnx")
+
 from unsplit._src.dropout.attention import nnx_dot_product_attention as dot_product_attention
 from unsplit._src.dropout.nnx import Dropout as Dropout
 

@@ -97,11 +97,10 @@ class _BitwiseTrain:
 
     def __call__(self, params, opt_state, batch, key, ids: Any = None):
         step = self.step
-        ids = step._checked(params, batch, key, ids)
-        step._audit_once(params, batch, key)
+        ids = step.check_inputs(params, batch, key, ids)
         signature = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(batch)))
         if params is not self._returned or self._state is None or self._state[0] != signature:
-            state, params = step._impl.prepare(params, batch, key)
+            state, params = step.engine.prepare(params, batch, key)
             self._state = (signature, state)
         loss, grads, aux, weight = self._state[1].run(params, batch, key, ids)
         if step.checked:

@@ -206,16 +206,29 @@ class Step:
             "mesh": self.mesh,
         }
 
-    def _checked(self, params: Any, batch: Any, key: jax.Array, ids: Any) -> Any:
-        """Validates the inputs; on a multi-process first call, also agrees on them.
+    def check_inputs(self, params: Any, batch: Any, key: jax.Array, ids: Any = None) -> Any:
+        """Checks a call's inputs; returns the ids as the step's engine takes them.
 
-        Every process runs its own checks first; then one small collective
-        compares settings, params, key and batch, so a mistake on one process
-        (or processes that disagree) raises on all of them before any work. Inside
-        the caller's jit the comparison happens on device instead (see
-        :mod:`unsplit._src.step.default`).
+        Shapes, dtypes and the schedule are checked on the host (no device
+        work). On a multi-process first call the processes also agree on the
+        settings, params, key and batch (one small collective), so a mistake
+        on one process raises on all of them before any work; inside the
+        caller's jit that comparison happens on device instead (see
+        :mod:`unsplit._src.step.default`). The first call also audits the loss
+        (see ``audit=``). ``step(...)`` runs this first.
         """
-        if self._agreed or not agreement.needed() or _traced((params, batch, key, ids)):
+        ids = self._checked(params, batch, key, ids)
+        self._audit_once(params, batch, key)
+        return ids
+
+    @property
+    def engine(self) -> Any:
+        """What runs this step's mode: default mode's program, or bitwise mode's programs."""
+        return self._impl
+
+    def _checked(self, params: Any, batch: Any, key: jax.Array, ids: Any) -> Any:
+        """Validates the inputs; on a multi-process first call, also agrees on them."""
+        if self._agreed or not agreement.needed() or validate.is_traced(params, batch, key, ids):
             return self._validated(batch, key, ids)
         what = f"the first call of {self!r}"
         with agreement.agreeing(what, fixes=agreement.STEP_FIXES) as items:
@@ -263,8 +276,7 @@ class Step:
         return self._impl.lower(params, batch, key, self._checked(params, batch, key, ids))
 
     def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
-        ids = self._checked(params, batch, key, ids)
-        self._audit_once(params, batch, key)
+        ids = self.check_inputs(params, batch, key, ids)
         try:
             loss, grads, aux, weight = self._impl(params, batch, key, ids)
         except jax.errors.JaxRuntimeError as e:
@@ -274,17 +286,6 @@ class Step:
         if self.has_aux:
             return (loss, aux), grads
         return loss, grads
-
-
-def _traced(tree: Any) -> bool:
-    """Whether the call is being traced (inside the caller's jit): looks at few leaves.
-
-    ``tree`` is ``(params, batch, key, ids)``; only the first params leaf is
-    looked at, so the check costs nothing per parameter.
-    """
-    params, *rest = tree
-    first = jax.tree.leaves(params)[:1]
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((first, *rest)))
 
 
 def _with_memory_hint(error: Exception, step: Step) -> Exception:

@@ -33,7 +33,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src.models import transformer as tf
+from unsplit import models
 from unsplit.demo import data as demo_data
 from unsplit.demo.config import DemoConfig
 
@@ -100,7 +100,7 @@ def train(
 def initial_state(config: DemoConfig):
     """(model, host params, optimizer) shared by every run."""
     model = config.model()
-    params = jax.device_get(tf.init_params(model, config.seed))
+    params = jax.device_get(models.init_params(model, config.seed))
     return model, params, optax.adam(config.learning_rate)
 
 
@@ -147,7 +147,7 @@ def unsplit_step(config: DemoConfig, loss_fn, *, devices, microbatches, bitwise,
         microbatches=microbatches,
         mesh=mesh,
         bitwise=bitwise,
-        chunk_size=config.batch_size // 8 if bitwise else None,
+        chunk_size=config.chunk_size() if bitwise else None,
     )
 
 
@@ -188,7 +188,7 @@ def flax_update(model, opt, scheme: str, shares: int = 8) -> Update:
             every one with ``split(key)[1]``, as T5X gives).
         shares: devices or microbatches.
     """
-    loss = batch_loss(tf.with_flax_dropout(model))  # the usual way: Flax's own layers
+    loss = batch_loss(models.with_flax_dropout(model))  # the usual way: Flax's own layers
     grad = jax.value_and_grad(loss, has_aux=True)
 
     def sums_one_device(params, batch, key):
@@ -256,7 +256,7 @@ def multisteps_update(model, opt, microbatches: int = 8) -> tuple[Update, Callab
         ``(update, init)``: the training update and the MultiSteps state init.
     """
     multi = optax.MultiSteps(opt, every_k_schedule=microbatches)
-    step = unsplit.value_and_grad(tf.token_loss(model), weighted=True)
+    step = unsplit.value_and_grad(models.token_loss(model), weighted=True)
 
     @jax.jit
     def micro(params, state, batch, key, ids):

@@ -98,7 +98,6 @@ PER_EXAMPLE_KINDS = frozenset(
     {"foreign_key", "cross_example", "dropped_state", "unsafe_key", "padding_unstable"}
     | {"device_key"}
 )
-BATCHED_KINDS = frozenset({"batch_draw", "device_key", "mean_of_means", "unsafe_key"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,15 +257,15 @@ def is_user_file(path: str) -> bool:
     if path.startswith(stdlib) and not path.startswith(site):
         return False
     if path.startswith(_UNSPLIT_SRC):
-        name = os.path.basename(path)
+        name = os.path.relpath(path, _UNSPLIT_SRC).replace(os.sep, "/")
         return name in _UNSPLIT_USER_FILES or name.endswith("_test.py")
     return not path.startswith(_UNSPLIT_TESTING)
 
 
-_UNSPLIT_SRC = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_UNSPLIT_SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _UNSPLIT_TESTING = os.path.join(os.path.dirname(_UNSPLIT_SRC.rstrip(os.sep)), "testing") + os.sep
 # unsplit's own modules that are models rather than library machinery.
-_UNSPLIT_USER_FILES = frozenset({"transformer.py", "test_util.py"})
+_UNSPLIT_USER_FILES = frozenset({"models/transformer.py", "models/specs.py", "test_util.py"})
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "equinox", "chex", "numpy", "orbax", "ml_dtypes")
 
 

@@ -40,7 +40,6 @@ COLLECTIVES = frozenset(
     | {"axis_index", "psend", "precv", "pgather"}
 )
 DRAWS = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
-KEY_DERIVATIONS = frozenset({"random_fold_in", "random_split", "random_wrap", "random_seed"})
 
 
 class Origin(NamedTuple):

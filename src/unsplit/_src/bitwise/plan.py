@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import partition
 from unsplit._src.bitwise import reduce
 from unsplit._src.bitwise.flat import FlatPlan
 from unsplit._src.step import sums
@@ -124,11 +125,11 @@ def make_plan(
         a.sharding.spec if isinstance(getattr(a, "sharding", None), NamedSharding) else P()
         for a in arrays
     )
-    used = {n for s in specs for e in s if e is not None for n in _names(e)}
+    used = {n for s in specs for n in partition.spec_axes(s)}
     group_axes = tuple(a for a in mesh.axis_names if a in used and a not in layout.batch_axes)
     for path, s in zip(structure.paths, specs, strict=True):
         for e in s:
-            names = _names(e) if e is not None else ()
+            names = partition.names(e)
             if any(n in layout.batch_axes for n in names) and any(n in group_axes for n in names):
                 raise ValueError(
                     f"params{path} has PartitionSpec {s}: one dimension sharded over both a "
@@ -137,7 +138,7 @@ def make_plan(
                     "the model axes, or use different dimensions for each."
                 )
     compute = _compute_mesh(mesh, layout.batch_axes, group_axes)
-    local_specs = tuple(P(*(_keep(e, group_axes) for e in s)) for s in specs)
+    local_specs = tuple(partition.keep_axes(s, group_axes) for s in specs)
     local_shapes = [
         NamedSharding(compute, ls).shard_shape(np.shape(a)) if group_axes else np.shape(a)
         for a, ls in zip(arrays, local_specs, strict=True)
@@ -179,17 +180,6 @@ def _spec_on(x: Any, mesh: Mesh) -> P:
         spec = sharding.spec
         return P(*spec, *([None] * (np.ndim(x) - len(spec))))
     return P(*([None] * np.ndim(x)))
-
-
-def _names(entry: Any) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _keep(entry: Any, axes: tuple[str, ...]) -> Any:
-    if entry is None:
-        return None
-    kept = tuple(n for n in _names(entry) if n in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def _compute_mesh(mesh: Mesh, batch_axes: tuple[str, ...], group_axes: tuple[str, ...]) -> Mesh:

@@ -30,13 +30,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
+from unsplit._src import partition
 from unsplit._src.bitwise import reduce
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import sums
-
-
-def _entry(axes: tuple[str, ...]):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def pack_program(plan: Plan):
@@ -48,10 +45,9 @@ def pack_program(plan: Plan):
         leaves = []
         for x, spec in zip(blocks, plan.specs, strict=True):
             for dim, entry in enumerate(spec):
-                names = () if entry is None else ((entry,) if isinstance(entry, str) else entry)
-                gather = tuple(n for n in names if n in batch_axes)
+                gather = tuple(n for n in partition.names(entry) if n in batch_axes)
                 if gather:
-                    x = jax.lax.all_gather(x, _entry(gather), axis=dim, tiled=True)
+                    x = jax.lax.all_gather(x, partition.entry(gather), axis=dim, tiled=True)
             leaves.append(x)
         return tuple(plan.params_flat.pack(leaves))
 
@@ -78,7 +74,7 @@ def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
     changed.
     """
     gmesh = plan.group_mesh(group) if plan.group_axes else None
-    gentry = _entry(plan.group_axes)
+    gentry = partition.entry(plan.group_axes)
     structure = plan.structure
     n_params = len(plan.params_flat.vectors)
     n_sums = len(plan.sums_flat.vectors)
@@ -156,8 +152,8 @@ def concat_rows(parts):
 def combine_program(plan: Plan):
     """The groups' blocks -> the total, added in the canonical tree (on the compute mesh)."""
     mesh = plan.compute
-    batch = _entry(plan.layout.batch_axes)
-    gentry = _entry(plan.group_axes)
+    batch = plan.layout.batch_entry
+    gentry = partition.entry(plan.group_axes)
     n = len(plan.sums_flat.vectors)
     groups = plan.groups
     layout = [plan.blocks(g) for g in range(groups)]
@@ -196,7 +192,7 @@ def combine_program(plan: Plan):
 def unpack_program(plan: Plan, grad_shardings, loss_sharding):
     """The total -> ``(loss, grads)``: grads with the params' shardings, divided by the weight."""
     mesh = plan.layout.mesh
-    gentry = _entry(plan.group_axes)
+    gentry = partition.entry(plan.group_axes)
     structure = plan.structure
     diff_specs = tuple(s for s, d in zip(plan.local_specs, structure.diff, strict=True) if d)
     n = len(plan.sums_flat.vectors)

@@ -1,6 +1,6 @@
 """Bitwise mode: loss and grads bit-identical for every schedule of the same global batch.
 
-What was measured (DESIGN.md, and ``docs/bitwise.md``) and what this module does:
+What was measured (``docs/bitwise.md``) and what this module does:
 
 * XLA's matmuls are not batch-invariant, so the unit of work is a **chunk** of
   ``chunk_size`` examples, always computed by the same program.
@@ -34,13 +34,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
+from unsplit._src import partition
 from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.bitwise import programs, reduce
 from unsplit._src.step import sums, validate
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
 default_chunk_size = bitwise_plan.default_chunk_size
-DEFAULT_CHUNK = bitwise_plan.DEFAULT_CHUNK
 
 # Compiled chunk programs, shared by every step built from the same loss function for
 # as long as that function lives: a compiled executable does not keep the function
@@ -167,10 +167,8 @@ class _Compiled:
         ]
         self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
         self.executables: dict[int, Any] = {}
-        gentry = programs._entry(plan.group_axes)
-        self.slots_sharding = NamedSharding(
-            plan.compute, P(programs._entry(owner.layout.batch_axes), None, gentry)
-        )
+        gentry = partition.entry(plan.group_axes)
+        self.slots_sharding = NamedSharding(plan.compute, P(owner.layout.batch_entry, None, gentry))
         self.total_sharding = NamedSharding(mesh, P(gentry))
         self.same_mesh = plan.compute.devices.size == mesh.devices.size
 
@@ -269,7 +267,7 @@ class _Compiled:
         """The groups' per-example aux, as global arrays in global-batch order."""
         plan = self.plan
         size = plan.chunks * plan.chunk
-        sharding = NamedSharding(plan.compute, P(programs._entry(self.owner.layout.batch_axes)))
+        sharding = NamedSharding(plan.compute, P(self.owner.layout.batch_entry))
         per_group = [outputs[g] for g in self.local_groups]
 
         def assemble(*leaves):

@@ -25,7 +25,7 @@ mask, which comes from :func:`attention_dropout`:
 * kept weights are divided by the keep probability the 16-bit threshold gives,
   so the expectation is exact; ``dropout_rate == 1`` gives zero weights where
   Flax accepts that rate (Flax's gives NaN: it divides by a keep probability of
-  0); where Flax refuses it (nnx since Flax 0.12.12), ours raises Flax's error;
+  0); where the installed Flax refuses it, ours raises Flax's error;
 * the dropped weights are contracted with the values head-major (see
   :func:`weights_times_value`): the same products and sums as Flax's einsum,
   a faster layout for XLA's CPU matmuls.
@@ -48,7 +48,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from unsplit._src import random
-from unsplit._src.dropout.functional import Layout, check_rate, masked, sharding_specs
+from unsplit._src.dropout.functional import MaskLayout, check_rate, masked, sharding_specs
 
 Array = jax.Array
 
@@ -91,7 +91,7 @@ def attention_dropout(
     threshold = random.keep_threshold(rate)
     scaled = weights / jnp.asarray(random.keep_probability(threshold), dtype)
     return masked(
-        data, np.uint32(threshold), scaled, Layout(True, shape, *sharding_specs(scaled, shape))
+        data, np.uint32(threshold), scaled, MaskLayout(True, shape, *sharding_specs(scaled, shape))
     )
 
 
@@ -105,9 +105,8 @@ def weights_times_value(einsum: Callable[..., Array], weights: Array, value: Arr
     back from ``[..., heads, q, d]``: the same contraction (each output element
     is the same sum over ``k``), whose batch axes ``(..., heads)`` now lead in
     every operand. XLA's CPU matmuls then need no transposes of the large
-    weights in the forward or backward pass: measured, the attention's
-    forward+backward with dropout takes about 0.6x Flax's time instead of 0.8x
-    (``benchmarks/attention_bench.py``), with the same bits on the tested shapes.
+    weights in the forward or backward pass (``benchmarks/attention_bench.py``
+    times both layouts; the figures are in ``docs/benchmarks.md``).
 
     Example:
         >>> import jax.numpy as jnp
@@ -167,21 +166,30 @@ def linen_dot_product_attention(
         >>> layer.apply(params, x, rngs={"dropout": jax.random.key(1)}).shape
         (3, 8, 4)
     """
-    flax_args = (query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate)
-    options = dict(
-        deterministic=deterministic,
+    flax = functools.partial(
+        nn.dot_product_attention,
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=mask,
+        broadcast_dropout=broadcast_dropout,
+        dropout_rate=dropout_rate,
         dtype=dtype,
-        precision=precision,
         module=module,
         force_fp32_for_softmax=force_fp32_for_softmax,
-        einsum_dot_general=einsum_dot_general,
-        qk_attn_weights_einsum=qk_attn_weights_einsum,
-        attn_weights_value_einsum=attn_weights_value_einsum,
     )
     qk, av = qk_attn_weights_einsum, attn_weights_value_einsum
     invalid = bool(qk) != bool(av) or bool((precision or einsum_dot_general) and (qk or av))
-    if deterministic or not dropout_rate > 0.0 or invalid:
-        return nn.dot_product_attention(*flax_args, **options)  # Flax's path and errors
+    if deterministic or not dropout_rate > 0.0 or invalid:  # Flax's path and errors
+        return flax(
+            dropout_rng=dropout_rng,
+            deterministic=deterministic,
+            precision=precision,
+            einsum_dot_general=einsum_dot_general,
+            qk_attn_weights_einsum=qk,
+            attn_weights_value_einsum=av,
+        )
     head_major = not qk  # a user's own einsums get Flax's subscripts, as from Flax
     if not qk:  # the einsums Flax builds from precision / einsum_dot_general
         qk = av = functools.partial(
@@ -191,35 +199,19 @@ def linen_dot_product_attention(
 
     def dropped_weights_times_value(subscripts: str, weights: Array, values: Array) -> Array:
         weights = attention_dropout(
-            dropout_rng,
-            weights,
-            dropout_rate,
-            broadcast_dropout=broadcast_dropout,
+            dropout_rng, weights, dropout_rate, broadcast_dropout=broadcast_dropout,
             dtype=compute_dtype,
-        )
+        )  # fmt: skip
         if head_major and subscripts == VALUE_SUBSCRIPTS:
             return weights_times_value(av, weights, values)
         return av(subscripts, weights, values)
 
-    # Flax computes the weights (deterministic: no mask of its own), we drop them just
+    # Flax computes the weights (deterministic: no mask of its own); we drop them just
     # before Flax's weights x value contraction.
-    return nn.dot_product_attention(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        broadcast_dropout,
-        None,
-        dropout_rate,
-        True,
-        dtype,
-        None,
-        module,
-        force_fp32_for_softmax,
-        None,
-        qk,
-        dropped_weights_times_value,
+    return flax(
+        deterministic=True,
+        qk_attn_weights_einsum=qk,
+        attn_weights_value_einsum=dropped_weights_times_value,
     )
 
 
@@ -258,60 +250,54 @@ def nnx_dot_product_attention(
         (3, 8, 4)
     """
     options = dict(
+        bias=bias,
+        mask=mask,
         broadcast_dropout=broadcast_dropout,
         dropout_rate=dropout_rate,
-        dtype=dtype,
         precision=precision,
+        module=module,
         promote_dtype=promote_dtype,
         is_causal=is_causal,
     )
-    flax = functools.partial(nnx_attention.dot_product_attention, **options)
+    flax = functools.partial(nnx_attention.dot_product_attention, query, key, value, **options)
     if deterministic or not dropout_rate > 0.0:
-        return flax(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            dropout_rng=dropout_rng,
-            deterministic=deterministic,
-            module=module,
-        )
-
-    # Flax's own checks of these very arguments, on shapes only (nothing runs): whatever this
-    # Flax version raises, ours raises (Flax 0.12.12 added a rate check and a ValueError for a
-    # missing dropout_rng; 0.12.8 has neither).
-    def flax_checks(dropout_rng, deterministic=False):
-        checked = functools.partial(flax, deterministic=deterministic)
-        jax.eval_shape(checked, query, key, value, bias, mask, dropout_rng=dropout_rng)
-
-    if dropout_rng is None:
-        flax_checks(None, deterministic=True)  # the checks of everything else first, as Flax
-        try:
-            flax_checks(None)
-        except Exception as error:  # Flax's error type for the missing key, with the fix
-            raise type(error)(missing_rng_message(dropout_rate)) from error
-        raise TypeError(missing_rng_message(dropout_rate))
-    flax_checks(dropout_rng)
+        return flax(dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype)
+    _nnx_flax_checks(functools.partial(flax, dtype=dtype), dropout_rng, dropout_rate)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    # Flax's weights without its mask (deterministic); ours next.
     weights = nnx_attention.dot_product_attention_weights(
-        query,
-        key,
-        bias,
-        mask,
-        broadcast_dropout,
-        None,
-        dropout_rate,
-        True,  # Flax's weights without its mask; ours next
-        query.dtype,
-        precision,
-        module,
-        promote_dtype,
-        is_causal,
+        query, key, deterministic=True, dtype=query.dtype, **options
     )
     weights = attention_dropout(
         dropout_rng, weights, dropout_rate, broadcast_dropout=broadcast_dropout, dtype=query.dtype
     )
+    return _nnx_weights_times_value(weights, value, precision)
+
+
+def _nnx_flax_checks(flax: Callable[..., Array], dropout_rng: Any, dropout_rate: Any) -> None:
+    """Flax's own checks of the call's arguments, on shapes only (nothing runs).
+
+    Whatever the installed Flax raises, ours raises: its checks of everything
+    else first (a shape error stays a shape error), then its error type for a
+    missing ``dropout_rng``, with the fix in the message.
+    """
+
+    def check(rng, deterministic=False):
+        jax.eval_shape(functools.partial(flax, deterministic=deterministic, dropout_rng=rng))
+
+    if dropout_rng is not None:
+        check(dropout_rng)
+        return
+    check(None, deterministic=True)
+    try:
+        check(None)
+    except Exception as error:
+        raise type(error)(missing_rng_message(dropout_rate)) from error
+    raise TypeError(missing_rng_message(dropout_rate))
+
+
+def _nnx_weights_times_value(weights: Array, value: Array, precision: Any) -> Array:
+    """The dropped weights times the values, as Flax contracts them (grouped-query too)."""
     if weights.shape[-3] == value.shape[-2]:
         return weights_times_value(
             functools.partial(jnp.einsum, precision=precision), weights, value

@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from unsplit._src import random
-from unsplit._src.dropout.functional import Layout, check_rate, masked, sharding_specs
+from unsplit._src.dropout.functional import MaskLayout, check_rate, masked, sharding_specs
 
 _NO_KEY = (
     "Dropout requires a key when running in non-deterministic mode. Fix: call it with "
@@ -103,4 +103,4 @@ def equinox_dropout(key: Any, x: Any, p: Any) -> jax.Array:
     dtype = jnp.result_type(x, q)
     scaled = x.astype(dtype) / jnp.asarray(divisor, dtype)
     x_spec, spec = sharding_specs(scaled, x.shape)
-    return masked(data, threshold, scaled, Layout(False, x.shape, x_spec, spec))
+    return masked(data, threshold, scaled, MaskLayout(False, x.shape, x_spec, spec))

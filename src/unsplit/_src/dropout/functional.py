@@ -32,7 +32,7 @@ from jax import lax
 from unsplit._src import random
 
 
-class Layout(NamedTuple):
+class MaskLayout(NamedTuple):
     """Which mask :func:`masked` draws: its layout, shape and shardings (static)."""
 
     grid: bool  # False: flat index (layers); True: per-coordinate (attention weights)
@@ -124,11 +124,11 @@ def flat_dropout(
     if not scaled:
         x = _scale(x, rate)
     x_spec, spec = sharding_specs(x, shape)
-    return masked(data, np.uint32(threshold), x, Layout(False, shape, x_spec, spec))
+    return masked(data, np.uint32(threshold), x, MaskLayout(False, shape, x_spec, spec))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def masked(data: jax.Array, threshold: Any, x: jax.Array, layout: Layout) -> jax.Array:
+def masked(data: jax.Array, threshold: Any, x: jax.Array, layout: MaskLayout) -> jax.Array:
     """``select(lanes < threshold, x, 0)``, the lanes drawn in ``layout`` from the key words.
 
     Args:
@@ -160,7 +160,7 @@ masked.defvjp(_masked_fwd, _masked_bwd)
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
-def _select(data: jax.Array, threshold: Any, x: jax.Array, layout: Layout) -> jax.Array:
+def _select(data: jax.Array, threshold: Any, x: jax.Array, layout: MaskLayout) -> jax.Array:
     shared = layout.shape != x.shape  # a broadcast mask: drawn once at its own shape
     if layout.grid:
         lanes = random.grid_lanes16_from_data(data, layout.shape, layout.spec, shared)

@@ -169,11 +169,13 @@ def worker_cases():
             if me == 1:
                 raise ValueError("batch leaf ['x'] is a scalar (on purpose)")
 
-    def step_first_call(batch, **changes):
-        items = agreement.step_items({**settings, **changes}, params, batch, jax.random.key(0))
+    def step_first_call(batch, key=None, **changes):
+        key = jax.random.key(0) if key is None else key
+        items = agreement.step_items({**settings, **changes}, params, batch, key)
         agreement.agree(items, what="the step's first call", fixes=agreement.STEP_FIXES)
 
     rows = {"x": np.ones((4 if me == 0 else 6, 3), np.float32)}
+    rows_equal = {"x": np.ones((4, 3), np.float32)}
     ragged = {"x": np.ones((4, 3), np.float32), "y": np.ones((4 if me == 0 else 5,))}
     traced_key = jax.jit(lambda k: fp.replicas_agree(jax.random.wrap_key_data(k), mesh))
     traced_params = jax.jit(lambda p: fp.replicas_agree(p, mesh))
@@ -203,7 +205,7 @@ def worker_cases():
         "structure": _attempt(
             lambda: agree(agreement.tree_items("params", {"b": 0.0, f"w{me}": 1.0}))
         ),
-        "key": _attempt(lambda: distributed.check_same_key(jax.random.key(5 + me))),
+        "key": _attempt(lambda: step_first_call(rows_equal, key=jax.random.key(5 + me))),
         "local failure": _attempt(local_failure),
         "rows": _attempt(lambda: distributed.global_batch(rows, mesh, check="always")),
         "ragged": _attempt(lambda: distributed.global_batch(ragged, mesh, check="always")),
@@ -229,7 +231,7 @@ MISMATCHES = {
     r"dtypes: at \['x'\]: process 0 has float32\[4, 3\]; process 1 has float32\[6, 3\]",
     "structure": r"disagree on the params structure in the step's first call:\n  params "
     r"structure: at \[1\]: process 0 has \['w0'\]; process 1 has \['w1'\]\n    Fix: [^\n]*$",
-    "key": r"disagree on the step key in the step:\n  step key: process 0 has "
+    "key": r"disagree on the step key in the step's first call:\n  step key: process 0 has "
     r"key<threefry2x32>\[\] data \[0, 5\]; process 1 has key<threefry2x32>\[\] data "
     r"\[0, 6\]\n    Fix: derive the key from a shared seed",
     "rows": r"disagree on the local rows in unsplit.global_batch:\n  local rows: process 0 has "

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
+from unsplit._src import partition
 
 _GOLDEN = np.uint32(0x9E3779B9)
 _SEEDS = (np.uint32(0x243F6A88), np.uint32(0x85A308D3))  # two independent 32-bit lanes
@@ -90,15 +91,6 @@ def fingerprint(tree: Any) -> jax.Array:
     return jnp.stack([leaf_fingerprint(x) for x in leaves])
 
 
-def _spec_axes(spec: P) -> set[str]:
-    used = set()
-    for entry in spec:
-        if entry is None:
-            continue
-        used.update(entry if isinstance(entry, tuple) else (entry,))
-    return used
-
-
 def _default_spec(x: Any) -> P:
     sharding = getattr(jax.typeof(x), "sharding", None)
     spec = getattr(sharding, "spec", None)
@@ -157,7 +149,7 @@ def _checker(mesh: jax.sharding.Mesh, specs: tuple[P, ...]):
     # Leaves replicated along the same axes are compared by one all_gather.
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, spec in enumerate(specs):
-        replica_axes = tuple(a for a in axes if a not in _spec_axes(spec))
+        replica_axes = tuple(a for a in axes if a not in partition.spec_axes(spec))
         if replica_axes:
             groups.setdefault(replica_axes, []).append(i)
 

@@ -220,16 +220,3 @@ def local_positions(sharding: NamedSharding, global_rows: int) -> np.ndarray:
     index_map = sharding.addressable_devices_indices_map((global_rows,))
     starts = sorted({(s[0].start or 0, s[0].stop or global_rows) for s in index_map.values()})
     return np.concatenate([np.arange(a, b, dtype=np.uint32) for a, b in starts])
-
-
-def check_same_key(key: jax.Array) -> None:
-    """In a multi-process run, raises on every process unless all passed the same key.
-
-    A step key that differs between processes (a seed or step counter that is
-    not shared) would silently train on inconsistent noise. One small
-    collective (:func:`unsplit._src.processes.agreement.agree`); nothing in one process.
-    """
-    if not agreement.needed():
-        return
-    fixes = {"step key": agreement.KEY_FIX}
-    agreement.agree({"step key": key}, what="the step", fixes=fixes)

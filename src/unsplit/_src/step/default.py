@@ -17,6 +17,7 @@ float rounding: XLA picks the order of the sums).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -26,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src.processes import agreement, fingerprint
-from unsplit._src.step import sums
+from unsplit._src.step import sums, validate
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
 
@@ -61,7 +62,11 @@ class DefaultStep:
         structure, arrays = sums.Params.split(params)
         shardings = tuple(_concrete_sharding(a, layout) for a in arrays)
         # Several processes tracing this step inside their own jit: compare on device.
-        check = layout.mesh is not None and agreement.needed() and _traced((arrays, batch, key))
+        check = (
+            layout.mesh is not None
+            and agreement.needed()
+            and validate.is_traced(arrays, batch, key)
+        )
         shardings = (*shardings, check)
         try:
             program = self._programs.get((structure, shardings))
@@ -121,86 +126,87 @@ class DefaultStep:
         return guarded
 
     def _program(self, structure: sums.Params, shardings: tuple):
-        layout, spec, k = self.layout, self.spec, self.microbatches
+        """The step as one function of ``(arrays, batch, key, ids)``, for ``jax.jit``."""
+        layout = self.layout
         diff_specs = [s for s, d in zip(shardings, structure.diff, strict=True) if d]
-
-        def core(arrays, batch, key, ids, grad_specs):
-            def constrain_grads(grads):
-                return [
-                    g if s is None else layout.constrain(g, s)
-                    for g, s in zip(grads, grad_specs, strict=True)
-                ]
-
-            batch = jax.tree.map(lambda x: layout.constrain(x, P(layout.batch_entry)), batch)
-            size = jax.tree.leaves(batch)[0].shape[0]
-            ids = _id_words(ids, size, layout)
-            dtypes = [jnp.result_type(a) for a in structure.diff_of(arrays)]
-            if k == 1:  # one pass: the division by the weight seeds the backward pass
-                (loss, weight, grads), aux = sums.example_sums(
-                    spec, structure, arrays, batch, key, ids, constrain_grads, normalized=True
-                )
-                grads = [g.astype(d) for g, d in zip(grads, dtypes, strict=True)]
-            else:
-                xs = jax.tree.map(lambda x: layout.microbatched(x, k), (batch, ids))
-
-                def one(x):
-                    return sums.example_sums(
-                        spec, structure, arrays, x[0], key, x[1], constrain_grads
-                    )
-
-                def body(carry, x):
-                    totals, aux = one(x)
-                    return jax.tree.map(jnp.add, carry, totals), aux
-
-                # The carry has the grads' types, i.e. the params' (Explicit axes included).
-                grad_zeros = [
-                    jnp.zeros_like(a, dtype=sums.wide_float(a.dtype))
-                    for a in structure.diff_of(arrays)
-                ]
-                (loss_s, weight_s, _), _ = jax.eval_shape(one, jax.tree.map(lambda a: a[0], xs))
-                zeros = (jnp.zeros((), loss_s.dtype), jnp.zeros((), weight_s.dtype))
-                zeros = (*zeros, constrain_grads(grad_zeros))
-                (loss_sum, weight, grad_sums), aux = jax.lax.scan(body, zeros, xs)
-                aux = jax.tree.map(layout.unmicrobatched, aux)
-                loss, grads = sums.normalize(loss_sum, weight, grad_sums, dtypes)
-            aux = jax.tree.map(lambda x: layout.constrain(x, P(layout.batch_entry)), aux)
-            return loss, constrain_grads(grads), aux, weight
 
         def run(arrays, batch, key, ids):
             diff = structure.diff_of(arrays)
             grad_specs = [
                 s if s is not None else _type_spec(a) for s, a in zip(diff_specs, diff, strict=True)
             ]
+            core = functools.partial(self._core, structure, grad_specs)
             if layout.mesh is None:
-                return core(arrays, batch, key, ids, grad_specs)
+                return core(arrays, batch, key, ids)
             # Place the batch on the concrete mesh first: inside the caller's jit this also
             # tells their program which devices it runs on (like a shard_map's mesh would).
             batch = jax.tree.map(lambda x: _place(x, layout), batch)
             with jax.sharding.use_abstract_mesh(layout.mesh.abstract_mesh):
                 if not layout.is_explicit(layout.batch_axes):
-                    return core(arrays, batch, key, ids, grad_specs)
+                    return core(arrays, batch, key, ids)
                 # The batch axes become Auto inside the step: the per-example vmap is
                 # unsplit's business, so the user's loss (written for one example) never
                 # sees them, and XLA partitions the batch (and FSDP params) itself.
                 # Explicit model axes stay Explicit, as in the user's own code.
                 out_sharding = (P(), [s or P() for s in grad_specs], P(layout.batch_entry), P())
                 program = jax.sharding.auto_axes(
-                    lambda *a: core(*a, grad_specs),
-                    axes=layout.batch_axes,
-                    out_sharding=out_sharding,
+                    core, axes=layout.batch_axes, out_sharding=out_sharding
                 )
                 return program(arrays, batch, key, ids)
 
         return run
 
+    def _core(self, structure: sums.Params, grad_specs: list, arrays, batch, key, ids):
+        """``(loss, grads, aux, weight)`` of the global batch, inside the step's program."""
+        layout = self.layout
+
+        def constrain_grads(grads):
+            return [
+                g if s is None else layout.constrain(g, s)
+                for g, s in zip(grads, grad_specs, strict=True)
+            ]
+
+        batch = jax.tree.map(lambda x: layout.constrain(x, P(layout.batch_entry)), batch)
+        ids = _id_words(ids, jax.tree.leaves(batch)[0].shape[0], layout)
+        dtypes = [jnp.result_type(a) for a in structure.diff_of(arrays)]
+        if self.microbatches == 1:  # one pass: the division by the weight seeds the backward
+            (loss, weight, grads), aux = sums.example_sums(
+                self.spec, structure, arrays, batch, key, ids, constrain_grads, normalized=True
+            )
+            grads = [g.astype(d) for g, d in zip(grads, dtypes, strict=True)]
+        else:
+            (loss_sum, weight, grad_sums), aux = self._accumulated(
+                structure, constrain_grads, arrays, batch, key, ids
+            )
+            loss, grads = sums.normalize(loss_sum, weight, grad_sums, dtypes)
+        aux = jax.tree.map(lambda x: layout.constrain(x, P(layout.batch_entry)), aux)
+        return loss, constrain_grads(grads), aux, weight
+
+    def _accumulated(self, structure: sums.Params, constrain_grads, arrays, batch, key, ids):
+        """The global sums over the microbatches, one at a time (a ``lax.scan``), and the aux."""
+        layout, k = self.layout, self.microbatches
+        xs = jax.tree.map(lambda x: layout.microbatched(x, k), (batch, ids))
+
+        def one(x):
+            return sums.example_sums(self.spec, structure, arrays, x[0], key, x[1], constrain_grads)
+
+        def body(carry, x):
+            totals, aux = one(x)
+            return jax.tree.map(jnp.add, carry, totals), aux
+
+        # The carry has the grads' types, i.e. the params' (Explicit axes included).
+        grad_zeros = [
+            jnp.zeros_like(a, dtype=sums.wide_float(a.dtype)) for a in structure.diff_of(arrays)
+        ]
+        (loss_s, weight_s, _), _ = jax.eval_shape(one, jax.tree.map(lambda a: a[0], xs))
+        zeros = (jnp.zeros((), loss_s.dtype), jnp.zeros((), weight_s.dtype))
+        totals, aux = jax.lax.scan(body, (*zeros, constrain_grads(grad_zeros)), xs)
+        return totals, jax.tree.map(layout.unmicrobatched, aux)
+
 
 def _place(x: jax.Array, layout: Layout) -> jax.Array:
     # device_put (not reshard) inside jit carries the concrete devices into the program.
     return jax.device_put(x, NamedSharding(layout.mesh, P(layout.batch_entry)))
-
-
-def _traced(tree: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 def _type_spec(x: Any) -> P | None:

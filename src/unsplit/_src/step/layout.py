@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import partition
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -71,7 +73,7 @@ class Layout:
     @property
     def batch_entry(self) -> Any:
         """The PartitionSpec entry of the batch dimension."""
-        return self.batch_axes[0] if len(self.batch_axes) == 1 else self.batch_axes
+        return partition.entry(self.batch_axes)
 
     def batch_sharding(self) -> NamedSharding | None:
         return None if self.mesh is None else NamedSharding(self.mesh, P(self.batch_entry))
@@ -125,31 +127,11 @@ class Layout:
         z = jnp.swapaxes(z, 0, 1).reshape(k * bk, *rest)
         return self.constrain(z, P(self.batch_entry))
 
-    def without_batch_axes(self, spec: P) -> P:
-        """``spec`` with the batch axes removed (an FSDP param, gathered for compute)."""
-
-        def keep(entry):
-            if entry is None:
-                return None
-            names = (entry,) if isinstance(entry, str) else tuple(entry)
-            kept = tuple(n for n in names if n not in self.batch_axes)
-            return None if not kept else kept[0] if len(kept) == 1 else kept
-
-        return P(*(keep(e) for e in spec))
-
 
 def auto_spec(spec: P) -> P:
     """``spec`` without the axes that are Explicit in the current (abstract) mesh context."""
-    types = dict(zip(*_context_axes(), strict=True))
-
-    def keep(entry):
-        if entry is None:
-            return None
-        names = (entry,) if isinstance(entry, str) else tuple(entry)
-        kept = tuple(n for n in names if types.get(n) != AxisType.Explicit)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-
-    return P(*(keep(e) for e in spec))
+    explicit = [n for n, t in zip(*_context_axes(), strict=True) if t == AxisType.Explicit]
+    return partition.drop_axes(spec, explicit)
 
 
 def _context_axes():
@@ -217,5 +199,4 @@ def named_spec(x: Any, mesh: jax.sharding.Mesh) -> P:
     spec = getattr(sharding, "spec", None)
     if spec is None:
         return P()
-    names = {n for e in spec if e is not None for n in ((e,) if isinstance(e, str) else e)}
-    return spec if names <= set(mesh.axis_names) else P()
+    return spec if partition.spec_axes(spec) <= set(mesh.axis_names) else P()

@@ -17,9 +17,9 @@ during the call (``sow`` into a new collection, e.g. ``intermediates``).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -88,7 +88,7 @@ class _Guard:
             )
 
 
-def _collection_leaves(module: nn.Module) -> dict[tuple[str, str], Any]:
+def _collection_leaves(module: Any) -> dict[tuple[str, str], Any]:
     out = {}
     for collection, tree in module.variables.items():
         if collection in _IGNORED_COLLECTIONS:
@@ -103,5 +103,11 @@ def watch(params: Any, layout: Any = None):
     """Watches one call of the loss (at trace time); ``guard.check()`` raises on a dropped update."""
     del layout
     guard = _Guard(params)
-    with nn.intercept_methods(guard.intercept):
+    # A Flax Linen module in the loss means Flax is imported already; without it there is
+    # no Linen state to watch (and unsplit does not import Flax itself: it is an extra).
+    linen = sys.modules.get("flax.linen")
+    if linen is None:
+        yield guard
+        return
+    with linen.intercept_methods(guard.intercept):
         yield guard

@@ -18,6 +18,14 @@ import numpy as np
 from unsplit._src import keys as keys_lib
 
 
+def is_traced(*trees: Any) -> bool:
+    """Whether the call is being traced (inside the caller's jit or another transformation).
+
+    Looks at each argument's first leaf only, so it costs nothing per parameter.
+    """
+    return any(isinstance(leaf, jax.core.Tracer) for t in trees for leaf in jax.tree.leaves(t)[:1])
+
+
 def check_callable(loss_fn: Any) -> None:
     if not callable(loss_fn):
         raise TypeError(
