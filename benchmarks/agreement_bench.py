@@ -2,18 +2,18 @@
 
 Two local processes x 2 simulated CPU devices (``unsplit.testing.run_local_processes``,
 ``jax.distributed`` over gloo) build the test transformer's step on a mesh over
-all 4 devices and measure, in process 0:
+all 4 devices and measure, in process 0, through the public API only:
 
-* **first call**: the host check a step runs once (``agreement.agree`` over its
-  settings, the key, the batch's shapes and ``tree_items("params", ...)``, which
-  fingerprints every parameter on device), cold (compiling the fingerprint and
-  the gather) and warm, next to the step's own first call (trace + compile +
-  run) and a warm step;
-* **per step**: a warm host agreement on the key alone (what checking on every
-  call would cost), and, side by side in alternating rounds, a jitted step
-  with the on-device checks of traced values (``replicas_agree`` of the key,
-  or of the key and every parameter, with ``poison_unless``) as a ratio to the
-  same step without them.
+* **first call**: the step's first call (trace, compile, the processes' agreement
+  on settings, key, batch shapes and a fingerprint of every parameter, and the
+  run) next to a warm step; ``unsplit.global_batch``'s first call (it agrees on
+  the rows) next to its warm calls with ``check="always"`` (agreeing again) and
+  ``check="never"``;
+* **per step**: side by side in alternating rounds, the step called inside the
+  user's ``jax.jit`` (where the key is traced, so the step checks on device that
+  every process holds the same key and params, and poisons the result if not)
+  as a ratio to the same step called directly (the host path, which checks only
+  on the first call).
 
 Run: ``python benchmarks/agreement_bench.py`` (``--quick`` for a smoke run that
 does not touch the docs). The table goes to ``docs/checks.md``.
@@ -46,13 +46,11 @@ def worker(quick: bool) -> dict:
     import numpy as np
 
     import unsplit
-    from unsplit._src.processes import agreement
-    from unsplit._src.processes import fingerprint as fp
-    from unsplit._src.test_util import replicated
     from unsplit.models import (
         Transformer,
         TransformerConfig,
         init_params,
+        on_mesh,
         synthetic_batch,
         token_loss,
     )
@@ -64,66 +62,40 @@ def worker(quick: bool) -> dict:
     repeats = 3 if quick else 7
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     model = Transformer(config)
-    params = replicated(jax.tree.map(np.asarray, init_params(model, 0)), mesh)
+    params = on_mesh(jax.tree.map(np.asarray, init_params(model, 0)), mesh)
     rows = 16 // jax.process_count()
     data = jax.tree.map(np.asarray, synthetic_batch(config, 16, seed=1))
     mine = jax.tree.map(lambda x: x[jax.process_index() * rows :][:rows], data)
     start = time.perf_counter()
     batch, ids = unsplit.global_batch(mine, mesh)  # its first call agrees on the rows
     global_batch_first = time.perf_counter() - start
+    global_batch_always = statistics.median(
+        _timed(lambda: unsplit.global_batch(mine, mesh, check="always")[0]) for _ in range(repeats)
+    )
+    global_batch_never = statistics.median(
+        _timed(lambda: unsplit.global_batch(mine, mesh, check="never")[0]) for _ in range(repeats)
+    )
     key = jax.random.key(0)
-    settings = {"mode": "default", "microbatches": 1, "weighted": True, "mesh": mesh}
-
-    def first_call_check():
-        items = {**settings, "step key": key, **agreement.tree_items("params", params)}
-        items.update(agreement.tree_items("batch", batch, values=False))
-        agreement.agree(items, what="the benchmark's first call")
-
-    cold = _timed(first_call_check)
-    warm = statistics.median(_timed(first_call_check) for _ in range(repeats))
-    fingerprint = statistics.median(
-        _timed(lambda: agreement.tree_items("params", params)) for _ in range(repeats)
-    )
-    key_only = statistics.median(
-        _timed(lambda: agreement.agree({"step key": key}, what="a step")) for _ in range(repeats)
-    )
-
     step = unsplit.value_and_grad(token_loss(model), weighted=True, mesh=mesh)
-
-    @jax.jit
-    def plain(p, b, k, i):
-        return step(p, b, k, i)
-
-    @jax.jit
-    def key_checked(p, b, k, i):
-        ok = fp.replicas_agree(k, mesh)
-        return fp.poison_unless(ok, step(p, b, k, i))
-
-    @jax.jit
-    def all_checked(p, b, k, i):
-        ok = fp.replicas_agree((k, p), mesh)
-        return fp.poison_unless(ok, step(p, b, k, i))
-
-    first_step = _timed(lambda: plain(params, batch, key, ids))
+    first_step = _timed(lambda: step(params, batch, key, ids))
     warm_step = statistics.median(
-        _timed(lambda: plain(params, batch, key, ids)) for _ in range(repeats)
+        _timed(lambda: step(params, batch, key, ids)) for _ in range(repeats)
     )
+    in_jit = jax.jit(step)  # the key is traced: the step checks on device, every call
     candidates = {
-        name: (lambda f=f: f(params, batch, key, ids))
-        for name, f in {"plain": plain, "key": key_checked, "key+params": all_checked}.items()
+        "direct": lambda: step(params, batch, key, ids),
+        "in_jit": lambda: in_jit(params, batch, key, ids),
     }
     results = common.compare(
-        candidates, baseline="plain", repeats=repeats, inner=2 if quick else 5, warmup=1
+        candidates, baseline="direct", repeats=repeats, inner=2 if quick else 5, warmup=1
     )
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     return {
         "param_mib": param_bytes / 2**20,
         "param_leaves": len(jax.tree.leaves(params)),
         "global_batch_first_s": global_batch_first,
-        "check_cold_s": cold,
-        "check_warm_s": warm,
-        "fingerprint_s": fingerprint,
-        "key_agree_s": key_only,
+        "global_batch_always_s": global_batch_always,
+        "global_batch_never_s": global_batch_never,
         "first_step_s": first_step,
         "warm_step_s": warm_step,
         "ratios": {r.name: [r.ratio_median, r.ratio_min, r.ratio_max] for r in results},
@@ -150,21 +122,17 @@ def main(argv: list[str] | None = None) -> None:
         return f"{med:.2f}x ({lo:.2f}-{hi:.2f})"
 
     rows = [
-        ["first call: host check, cold (compiles fingerprint + gather)", ms(r["check_cold_s"]),
-         f"{r['check_cold_s'] / r['first_step_s']:.1%} of the step's first call "
-         f"({ms(r['first_step_s'])})"],
-        ["first call: host check, warm", ms(r["check_warm_s"]),
-         f"{r['check_warm_s'] / r['warm_step_s']:.1%} of a warm step ({ms(r['warm_step_s'])})"],
-        [f"  of which: params fingerprint ({r['param_mib']:.1f} MiB, {r['param_leaves']} leaves)",
-         ms(r["fingerprint_s"]), ""],
-        ["global_batch, first call (agrees on rows; the first collective of the program)", ms(r["global_batch_first_s"]), ""],
-        ["per step, host path after the first call", "0 (not run)", "nothing is exchanged"],
-        ["per step if the key were agreed on the host every call", ms(r["key_agree_s"]),
-         f"{r['key_agree_s'] / r['warm_step_s']:.1%} of a warm step, and a host sync"],
-        ["per step, traced key checked on device (replicas_agree + poison)", ratio("key"),
-         "step time vs the same jitted step without it"],
-        ["per step, traced key and params checked on device", ratio("key+params"),
-         "step time vs the same jitted step without it"],
+        [f"the step's first call (trace, compile, agreement incl. a fingerprint of "
+         f"{r['param_mib']:.1f} MiB of params in {r['param_leaves']} leaves, run)",
+         ms(r["first_step_s"]), f"{r['first_step_s'] / r['warm_step_s']:.0f}x a warm step "
+         f"({ms(r['warm_step_s'])})"],
+        ["per step after the first call, step called directly", "0 (nothing is exchanged)", ""],
+        ["per step, step inside your jax.jit (traced key and params checked on device)",
+         ratio("in_jit"), "step time vs the same step called directly"],
+        ["global_batch, first call (agrees on rows; the first collective of the program)",
+         ms(r["global_batch_first_s"]), ""],
+        ["global_batch, check='always' (agrees on every call)", ms(r["global_batch_always_s"]),
+         f"vs {ms(r['global_batch_never_s'])} with check='never'"],
     ]  # fmt: skip
     header = ["check (2 processes x 2 CPU devices, gloo)", "cost", "relative"]
     load = os.getloadavg()[0]

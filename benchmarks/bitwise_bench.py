@@ -32,14 +32,23 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 
 import unsplit
-from unsplit._src import test_util
-from unsplit._src.bitwise.plan import DEFAULT_CHUNK
-from unsplit.models import Transformer, TransformerConfig, init_params, synthetic_batch, token_loss
+import unsplit.testing
+from unsplit.models import (
+    Transformer,
+    TransformerConfig,
+    fsdp_specs,
+    init_params,
+    megatron_specs,
+    on_mesh,
+    synthetic_batch,
+    tensor_parallel_specs,
+    token_loss,
+)
 
 MARKER = "bitwise"
 DOC = "benchmarks.md"
 AUTO = (AxisType.Auto, AxisType.Auto)
-CHUNK = DEFAULT_CHUNK  # the default chunk size (batch 64)
+CHUNK = 8  # bitwise mode's default chunk_size (docs/bitwise.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +68,11 @@ LAYOUTS = [
 
 def specs_for(layout: Layout, params):
     if layout.specs == "fsdp":
-        return test_util.fsdp_specs(params, "data", 8)
+        return fsdp_specs(params, "data", 8)
     if layout.specs == "tp":
-        return test_util.tensor_parallel_specs(params)
+        return tensor_parallel_specs(params)
     if layout.specs == "megatron":
-        return test_util.megatron_specs(params)
+        return megatron_specs(params)
     return jax.tree.map(lambda _: jax.P(), params)
 
 
@@ -123,7 +132,7 @@ def measure(layout: Layout, config, batch, quick):
     loss = token_loss(model)
     host = jax.tree.map(np.asarray, init_params(model))
     mesh = jax.make_mesh(layout.shape, ("data", "model"), axis_types=AUTO)
-    params = test_util.replicated(host, mesh, specs_for(layout, host))
+    params = on_mesh(host, mesh, specs_for(layout, host))
     rows = jax.device_put(batch, NamedSharding(mesh, jax.P("data")))
     key = jax.random.key(0)
     default = unsplit.value_and_grad(loss, weighted=True, mesh=mesh)
@@ -148,7 +157,7 @@ def measure(layout: Layout, config, batch, quick):
     one = None
     if layout.specs in ("tp", "megatron"):
         one = jax.make_mesh((1, 2), ("data", "model"), axis_types=AUTO)
-        ref_params = test_util.replicated(host, one, specs_for(layout, host))
+        ref_params = on_mesh(host, one, specs_for(layout, host))
     else:
         ref_params = host
     ref = unsplit.value_and_grad(loss, weighted=True, mesh=one, bitwise=True)(
@@ -161,7 +170,7 @@ def measure(layout: Layout, config, batch, quick):
         "time": timing["bitwise"],
         "chunked": (per_group, timing.get("chunked")),
         "memory": (bitwise_memory(bitwise, params, rows, key), mem_default),
-        "identical": test_util.bits_equal(out, ref),
+        "identical": unsplit.testing.bits_equal(out, ref),
         "collectives": collectives(bitwise),
     }
 

@@ -1,5 +1,7 @@
 """The README's quickstart and the docs' code blocks run as written."""
 
+import importlib
+import os
 import pathlib
 import re
 
@@ -33,3 +35,16 @@ def test_every_code_block_of_the_page_runs(page):
     path = ROOT / "docs" / page
     namespace = run_blocks(path, python_blocks(path))
     assert "loss" in namespace
+
+
+@pytest.mark.multiprocess
+def test_the_testing_docs_example_runs(tmp_path, monkeypatch):
+    page = (ROOT / "docs" / "testing.md").read_text()
+    section = page.split("## A test of your own step on 2 processes", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "multiprocess_doc_example.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)  # the workers import it by name too
+    example = importlib.import_module("multiprocess_doc_example")
+    example.test_two_processes_compute_the_one_device_step()

@@ -136,3 +136,58 @@ def test_refuses_ids_above_2_63():
         unsplit.example_keys(KEY, np.array([2**63], dtype=np.uint64))
     with pytest.raises(TypeError, match=r"do not fit 64 bits"):
         unsplit.ids64([2**70])
+
+
+# ---- 64-bit ids: words must be integers, and ids >= 2**31 survive a user's jit ----------
+
+
+@pytest.mark.parametrize(
+    ("hi", "lo", "error", "message"),
+    [
+        (np.zeros(2, np.float32), np.zeros(2, np.uint32), TypeError,
+         r"Ids64.hi must hold integer words \(uint32\); got dtype=float32.*truncated"),
+        (np.zeros(2, np.uint32), jnp.ones(2), TypeError, r"Ids64.lo must hold integer words"),
+        (np.zeros(2, np.uint32), np.zeros(3, np.uint32), ValueError,
+         r"same shape.*got hi.shape=\(2,\) and lo.shape=\(3,\)"),
+        (np.array([2**31]), np.zeros(1, np.uint32), ValueError,
+         r"Ids64.hi words must lie in \[0, 2147483647\]; got min=2147483648"),
+        (np.zeros(1, np.int64), np.array([2**32]), ValueError,
+         r"Ids64.lo words must lie in \[0, 4294967295\]"),
+    ],
+)  # fmt: skip
+def test_ids64_refuses_float_words_bad_ranges_and_mismatched_shapes(hi, lo, error, message):
+    with pytest.raises(error, match=message):
+        unsplit.Ids64(hi=hi, lo=lo)
+
+
+def test_64_bit_ids_pass_through_a_users_jit_exactly():
+    key = jax.random.key(0)
+    records = np.arange(4, dtype=np.int64) + 2**33
+    expected = unsplit.example_keys(key, records)  # outside jit: split exactly on the host
+
+    @jax.jit
+    def user_step(key, ids):
+        return unsplit.example_keys(key, ids)
+
+    exact = user_step(key, unsplit.ids64(records))
+    assert (jax.random.key_data(exact) == jax.random.key_data(expected)).all()
+    # The hazard the docs warn about: JAX turns an int64 NumPy argument into int32 when
+    # x64 is off, so ids 2**33 + i become i. If this starts failing, JAX changed that.
+    truncated = user_step(key, records)
+    small = unsplit.example_keys(key, np.arange(4))
+    assert (jax.random.key_data(truncated) == jax.random.key_data(small)).all()
+    # global_batch gives the two-word form for 64-bit ids, whatever their values, so every
+    # process returns the same kind of ids.
+    mesh = jax.make_mesh((4,), ("data",))
+    _, ids = unsplit.global_batch({"x": np.ones((4, 1))}, mesh, local_ids=np.arange(4))
+    assert isinstance(ids, unsplit.Ids64)
+    _, ids = unsplit.global_batch(
+        {"x": np.ones((4, 1))}, mesh, local_ids=np.arange(4, dtype=np.uint32)
+    )
+    assert not isinstance(ids, unsplit.Ids64)
+
+
+def test_truncated_ids_that_turned_negative_are_refused_with_the_cause():
+    truncated = jnp.asarray(np.array([1, 2**31 + 5], np.int64))  # int32 -2147483643
+    with pytest.raises(ValueError, match=r"int64 ids >= 2\*\*31 that JAX truncated.*ids64"):
+        unsplit.example_keys(jax.random.key(0), truncated)

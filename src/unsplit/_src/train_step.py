@@ -9,28 +9,38 @@ grow with the number of parameters: when it gets back the params it returned,
 it skips looking at their shardings again.
 
 It also takes a default-mode step; then the whole train step is one jitted,
-donated function.
+donated function. Both modes take the params and optimizer state as two trees,
+or a Flax ``TrainState`` (any struct with ``params``, ``opt_state``, ``tx``,
+``step`` and ``replace``) as one.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from unsplit._src.step import validate
 from unsplit._src.value_and_grad import Step
 
 
-def train_step(step: Step, optimizer: optax.GradientTransformation) -> Callable:
+def train_step(step: Step, optimizer: optax.GradientTransformation | None = None) -> Callable:
     """A train function for ``step``: ``train(params, opt_state, batch, key, ids=None)``.
+
+    Or, for a Flax ``flax.training.train_state.TrainState``, ``train(state, batch,
+    key, ids=None) -> (loss, state)``: the update uses the state's own ``tx`` and
+    the new state has ``step + 1``, as ``state.apply_gradients(grads=grads)``
+    gives.
 
     Args:
         step: a step made by :func:`unsplit.value_and_grad` (usually with
             ``bitwise=True``).
-        optimizer: an ``optax.GradientTransformation``. Params leaves without a
+        optimizer: an ``optax.GradientTransformation``; omit it when you pass a
+            ``TrainState`` (its ``tx`` is the optimizer). Params leaves without a
             gradient (integer leaves, PRNG state: ``None`` in the grads) are
             left as they are; init the optimizer on the float leaves, e.g.
             ``optimizer.init(eqx.filter(model, eqx.is_inexact_array))``, or on
@@ -39,8 +49,9 @@ def train_step(step: Step, optimizer: optax.GradientTransformation) -> Callable:
     Returns:
         ``train(params, opt_state, batch, key, ids=None) -> (loss, params,
         opt_state)`` (``((loss, aux), params, opt_state)`` with
-        ``has_aux=True``). ``params`` and ``opt_state`` are donated: do not
-        use the arrays you passed in after the call.
+        ``has_aux=True``), or ``train(state, batch, key, ids=None) -> (loss,
+        state)``. ``params`` and ``opt_state`` (or the state) are donated: do
+        not use the arrays you passed in after the call.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, unsplit
@@ -55,24 +66,37 @@ def train_step(step: Step, optimizer: optax.GradientTransformation) -> Callable:
         >>> loss, w, state = train(w, state, jnp.ones((8, 3)), jax.random.key(0))
         >>> w.shape
         (3, 2)
+
+        With Flax's ``TrainState`` (its own ``tx``; ``step`` counts the updates):
+
+        >>> from flax.training import train_state
+        >>> state = train_state.TrainState.create(apply_fn=None, params=w, tx=optimizer)
+        >>> train = unsplit.train_step(step)
+        >>> loss, state = train(state, jnp.ones((8, 3)), jax.random.key(1))
+        >>> int(state.step)
+        1
     """
     if not isinstance(step, Step):
         raise TypeError(
             f"step must be made by unsplit.value_and_grad; got {type(step).__name__}. "
             "Fix: step = unsplit.value_and_grad(loss_fn, bitwise=True, ...)."
         )
-    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+    if optimizer is not None and not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(
             f"optimizer must be an optax.GradientTransformation (with init and update); got "
             f"{type(optimizer).__name__}. Fix: e.g. optimizer = optax.adam(1e-3)."
         )
 
-    def update(params, opt_state, grads):
+    def update(params, opt_state, grads, tx=optimizer):
         trainable = jax.tree.map(
             lambda g, p: None if g is None else p, grads, params, is_leaf=lambda x: x is None
         )
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
         return optax.apply_updates(params, updates), opt_state
+
+    def update_state(state, grads):
+        params, opt_state = update(state.params, state.opt_state, grads, tx=state.tx)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
     if not step.bitwise:
 
@@ -81,21 +105,70 @@ def train_step(step: Step, optimizer: optax.GradientTransformation) -> Callable:
             params, opt_state = update(params, opt_state, grads)
             return out, params, opt_state
 
-        return jax.jit(fused, donate_argnums=(0, 1))
+        def fused_state(state, batch, key, ids=None):
+            out, grads = step(state.params, batch, key, ids)
+            return out, update_state(state, grads)
 
-    return _BitwiseTrain(step, jax.jit(update, donate_argnums=(0, 1)))
+        return _Train(
+            optimizer, jax.jit(fused, donate_argnums=(0, 1)), jax.jit(fused_state, donate_argnums=0)
+        )
+
+    bitwise = _BitwiseTrain(step)
+    return _Train(
+        optimizer,
+        functools.partial(bitwise, jax.jit(update, donate_argnums=(0, 1))),
+        functools.partial(bitwise.with_state, jax.jit(update_state, donate_argnums=0)),
+    )
+
+
+def is_train_state(x: Any) -> bool:
+    """Whether ``x`` is a Flax ``TrainState`` (or a struct with the same fields)."""
+    return all(hasattr(x, name) for name in ("params", "opt_state", "tx", "step", "replace"))
+
+
+class _Train:
+    """``train(params, opt_state, batch, key, ids=None)`` or ``train(state, batch, key, ids=None)``."""
+
+    def __init__(self, optimizer, with_trees: Callable, with_state: Callable):
+        self.optimizer = optimizer
+        self.with_trees = with_trees
+        self.with_state = with_state
+
+    def __call__(self, *args, **kwargs):
+        if args and is_train_state(args[0]):
+            state = args[0]
+            if self.optimizer is not None and state.tx is not self.optimizer:
+                raise ValueError(
+                    "train_step was given an optimizer and the TrainState has another tx. "
+                    "Fix: pass one of them: unsplit.train_step(step) uses state.tx."
+                )
+            if len(args) + len(kwargs) not in (3, 4):
+                raise TypeError(
+                    "with a TrainState, call train(state, batch, key, ids=None); got "
+                    f"{len(args)} positional and {len(kwargs)} keyword arguments."
+                )
+            return self.with_state(*args, **kwargs)
+        if self.optimizer is None:
+            got = type(args[0]).__name__ if args else "no arguments"
+            raise TypeError(
+                "this train function was made without an optimizer, so it takes a TrainState "
+                f"(params, opt_state, tx, step); got {got}. Fix: unsplit.train_step(step, "
+                "optimizer) to call train(params, opt_state, batch, key), or pass a "
+                "flax.training.train_state.TrainState."
+            )
+        return self.with_trees(*args, **kwargs)
 
 
 class _BitwiseTrain:
     """The bitwise step (outside jit), then the compiled, donated update."""
 
-    def __init__(self, step: Step, update: Callable):
+    def __init__(self, step: Step):
         self.step = step
-        self.update = update
         self._returned: Any = None  # the params this function returned last
         self._state: Any = None
 
-    def __call__(self, params, opt_state, batch, key, ids: Any = None):
+    def grads(self, params, batch, key, ids):
+        """The step's (out, grads, params); params re-placed only when they are new."""
         step = self.step
         ids = step.check_inputs(params, batch, key, ids)
         signature = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(batch)))
@@ -105,10 +178,47 @@ class _BitwiseTrain:
         loss, grads, aux, weight = self._state[1].run(params, batch, key, ids)
         if step.checked:
             validate.check_result(loss, weight)
-        params, opt_state = self.update(params, opt_state, grads)
-        self._returned = params
         out = (loss, aux) if step.has_aux else loss
+        return out, grads, params
+
+    def on_step_mesh(self, tree):
+        """On a one-device step, single-device leaves as arrays of the step's mesh.
+
+        The grads come back typed by the step's mesh; putting the params and
+        the optimizer state there on the first call gives the update the same
+        input types on every call, so nothing is traced twice.
+        """
+        mesh = self.step.engine.layout.mesh
+        if mesh.size != 1:
+            return tree
+        sharding = jax.sharding.NamedSharding(mesh, jax.P())
+
+        def place(x):
+            if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding):
+                return x
+            if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float)):
+                return jax.device_put(x, sharding)  # TrainState.create's step=0 too
+            return x
+
+        return jax.tree.map(place, tree)
+
+    def __call__(self, update, params, opt_state, batch, key, ids: Any = None):
+        if params is not self._returned:
+            params, opt_state = self.on_step_mesh((params, opt_state))
+        out, grads, params = self.grads(params, batch, key, ids)
+        params, opt_state = update(params, opt_state, grads)
+        self._returned = params
         return out, params, opt_state
+
+    def with_state(self, update_state, state, batch, key, ids: Any = None):
+        if state.params is not self._returned:
+            state = self.on_step_mesh(state)
+        out, grads, params = self.grads(state.params, batch, key, ids)
+        if params is not state.params:
+            state = state.replace(params=params)
+        state = update_state(state, grads)
+        self._returned = state.params
+        return out, state
 
 
 #: The name this function had first; the same function (both modes).

@@ -72,8 +72,10 @@ def value_and_grad(
             depends on the global batch size only).
         audit: on the first call, run every per-example check of
             :func:`unsplit.audit` (by tracing, nothing runs) and raise
-            :class:`~unsplit._src.audit.finding.AuditError` on any finding: for
-            CI. Without it, the first call still refuses a loss that draws
+            :class:`unsplit.AuditError` on any finding that makes the step
+            depend on its schedule: for CI. A finding that matters only when
+            the padded length changes (``padding_unstable``) gives a
+            :class:`unsplit.PaddingWarning` instead. Without it, the first call still refuses a loss that draws
             from a key it did not get as its third argument (``foreign_key``).
 
     Returns:

@@ -154,10 +154,12 @@ def batch_draw_findings(draws: Sequence[Draw], larger: Sequence[Draw]) -> list[F
     out = []
     for group in groups.values():
         sites = list(dict.fromkeys(d.site for d in group))
+        others = sites[1:]  # every other line, however many: none is left out
         also = (
-            ""
-            if len(sites) == 1
-            else f" The same key also draws at {', '.join(map(str, sites[1:4]))}."
+            f" The same key also draws at {len(others)} other line"
+            f"{'s' if len(others) > 1 else ''}: {', '.join(map(str, others))}."
+            if others
+            else ""
         )
         out.append(finding("batch_draw", _batch_draw_message(group[0]) + also, group[0].site))
     return out

@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import os
 import sysconfig
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -150,6 +151,16 @@ class AuditError(ValueError):
     """Raised at trace time for findings that make a step depend on its schedule."""
 
 
+#: Kinds that matter only when the same example is padded to other lengths. unsplit's steps
+#: never pad (every schedule computes each example at the length it is given), so for them
+#: these warn instead of refusing: inputs of one fixed length (packed) are unaffected.
+PADDING_KINDS = frozenset({"padding_unstable"})
+
+
+class PaddingWarning(UserWarning):
+    """A finding that changes an example's noise only across padded lengths (the step still runs)."""
+
+
 def raise_for(
     findings: Sequence[Finding],
     kinds: Iterable[str] = ("foreign_key", "dropped_state"),
@@ -157,10 +168,24 @@ def raise_for(
 ) -> None:
     """Raises :class:`AuditError` naming every finding of ``kinds``; returns if there is none.
 
+    Findings of :data:`PADDING_KINDS` among ``kinds`` do not make the result
+    depend on the schedule, only on how long an example is padded: they are
+    reported as one :class:`PaddingWarning` (shown once per message, at the
+    finding's line) with the same text, and do not raise.
+
     Example:
+        >>> import warnings
         >>> from unsplit._src.audit.finding import Finding
         >>> from unsplit._src.audit.finding import raise_for
-        >>> raise_for([Finding("padding_unstable", "m", "f", "a.py", 1)])  # not an error kind
+        >>> raise_for([Finding("padding_unstable", "m", "f", "a.py", 1)], kinds=())  # not asked
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     raise_for([Finding("padding_unstable", "m", "f", "a.py", 1)], {"padding_unstable"})
+        >>> print(caught[0].message)  # doctest: +ELLIPSIS
+        unsplit.value_and_grad: loss_fn's noise would change if an example were padded ...
+          a.py:1: padding_unstable: m
+            fix: f
+        ...
         >>> raise_for([Finding("foreign_key", "a closure key", "use key", "a.py", 3)])
         Traceback (most recent call last):
         ...
@@ -170,15 +195,45 @@ def raise_for(
         Fix: change the lines above (unsplit.audit(loss_fn, params, batch, key) reports them too).
     """
     kinds = frozenset(kinds)
-    errors = [f for f in findings if f.kind in kinds]
+    asked = [f for f in findings if f.kind in kinds]
+    errors = [f for f in asked if f.kind not in PADDING_KINDS]
+    padding = [f for f in asked if f.kind in PADDING_KINDS]
+    if padding:
+        _warn_padding(padding, caller)
     if not errors:
         return
-    lines = [f"  {f}\n    fix: {f.fix}" for f in errors]
     raise AuditError(
         f"{caller}: loss_fn's result would depend on the schedule:\n"
-        + "\n".join(lines)
+        + _listed(errors)
         + "\nFix: change the lines above (unsplit.audit(loss_fn, params, batch, key) reports "
         "them too)."
+    )
+
+
+def _listed(findings: Sequence[Finding]) -> str:
+    return "\n".join(f"  {f}\n    fix: {f.fix}" for f in findings)
+
+
+_WARNED: dict = {}  # the registry of PaddingWarnings shown (Python's "default" action: once)
+
+
+def _warn_padding(findings: Sequence[Finding], caller: str) -> None:
+    message = (
+        f"{caller}: loss_fn's noise would change if an example were padded to another length:\n"
+        + _listed(findings)
+        + "\nThe step's result does not depend on its schedule (unsplit never pads): inputs of "
+        "one fixed length (packed, or padded to one length) are unaffected. Fix: change the "
+        "lines above if the padded length varies between steps or runs (bucketing, padding "
+        "each batch to its longest example)."
+    )
+    first = findings[0]
+    warnings.warn_explicit(
+        message,
+        PaddingWarning,
+        first.file or "<unknown>",
+        first.line or 0,
+        module="unsplit",
+        registry=_WARNED,
     )
 
 

@@ -28,7 +28,6 @@ from typing import Any
 
 from unsplit._src.audit.api import audit, audit_step
 from unsplit._src.audit.finding import Finding
-from unsplit._src.value_and_grad import Step
 
 
 class FactoryError(Exception):
@@ -108,7 +107,7 @@ def audit_factory(factory: Callable[[], Any], name: str = "the factory") -> list
     try:
         if options is not None:
             return audit(fn, *args, **options)
-        if isinstance(fn, Step) and hasattr(fn, "loss_fn"):
+        if callable(getattr(fn, "loss_fn", None)):  # a step of unsplit.value_and_grad
             per_example = {"weighted": getattr(fn, "weighted", False)}
             if getattr(fn, "has_aux", False):
                 per_example["has_aux"] = True

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import reduce
 from unsplit._src.bitwise.flat import FlatPlan
@@ -213,5 +214,16 @@ def _loss_dtype(spec, structure, arrays, batch, key) -> Any:
         return loss_sum, weight
 
     shapes = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in arrays]
-    loss, _ = jax.eval_shape(one, shapes, example, jax.ShapeDtypeStruct((), key.dtype))
+    loss, _ = jax.eval_shape(one, shapes, example, example_key(key))
     return jax.numpy.dtype(loss.dtype)
+
+
+def example_key(key: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of one example's key, as the loss receives it in every mode.
+
+    A typed key gives a typed key of shape ``()``; a legacy raw key
+    (``jax.random.PRNGKey``, ``uint32[2]``) gives raw key data ``uint32[2]``,
+    as ``example_keys`` returns for it.
+    """
+    one_id = np.zeros((), np.uint32)
+    return jax.eval_shape(lambda k: keys_lib.example_keys(k, one_id), key)

@@ -11,7 +11,9 @@
 
 import functools
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
@@ -140,3 +142,44 @@ def test_fifty_adam_steps_through_the_jitted_donated_train_step_are_identical():
     assert testing.bits_equal(eight, one)
     assert testing.bits_equal(four_by_two, one)
     assert testing.rel_l2(one, testing.problem()[1]) > 1e-3  # it trained
+
+
+class _DropoutMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dropout(0.5, deterministic=False)(nn.relu(nn.Dense(16)(x)))
+        return nn.Dense(2)(x)
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_a_legacy_raw_key_gives_the_bits_of_the_wrapped_key_through_flax(bitwise):
+    # jax.random.PRNGKey (uint32[2]), as Flax's examples make keys: each example's key is the
+    # raw key data of example_keys in both modes (Flax takes it as a key), the bits those of
+    # jax.random.wrap_key_data(raw).
+    model = _DropoutMLP()
+    params = model.init(jax.random.key(0), jnp.ones((4,)))
+    batch = jax.random.normal(jax.random.key(1), (16, 4))
+    seen = []
+
+    def loss_fn(params, x, key):
+        seen.append((key.shape, key.dtype))
+        return jnp.sum(model.apply(params, x, rngs={"dropout": key}) ** 2)
+
+    raw = jax.random.PRNGKey(3)
+    wrapped = jax.random.wrap_key_data(raw)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AUTO,))
+
+    def step(key, **kwargs):
+        return unsplit.value_and_grad(loss_fn, bitwise=bitwise, **kwargs)(params, batch, key)
+
+    out = step(raw)
+    assert set(seen) == {((2,), np.dtype(np.uint32))}
+    assert testing.bits_equal(out, step(wrapped))
+    on_mesh = step(raw, mesh=mesh, microbatches=2)
+    assert testing.bits_equal(on_mesh, step(wrapped, mesh=mesh, microbatches=2))
+    if bitwise:  # and the raw key keeps bitwise mode's guarantee across schedules
+        assert testing.bits_equal(on_mesh, out)
+    # The noise is per example: the same as vmapping the loss over example_keys(raw, ids).
+    keys = unsplit.example_keys(raw, jnp.arange(16))
+    reference = jnp.mean(jax.vmap(loss_fn, in_axes=(None, 0, 0))(params, batch, keys))
+    np.testing.assert_allclose(out[0], reference, rtol=1e-6)

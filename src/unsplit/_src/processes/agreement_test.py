@@ -278,3 +278,24 @@ def test_two_processes_agree_or_all_raise_naming_the_difference():
     for c in cases:
         assert c["user step"].startswith("JaxRuntimeError"), c["user step"]
         assert "processes disagree on the step key inside jax.jit" in c["user step"]
+
+
+@pytest.mark.multiprocess
+def test_processes_that_disagree_on_the_key_get_a_clear_error():
+    with pytest.raises(launch.LaunchError, match=r"processes disagree on the step key"):
+        launch.run_local_processes(
+            "unsplit._src.processes.global_batch_test:worker_step",
+            kwargs={"microbatches": 1, "bitwise": False, "skew_key": True},
+            timeout_s=240,
+        )
+
+
+@pytest.mark.multiprocess
+def test_processes_that_disagree_inside_their_own_jit_get_an_error_too():
+    # The key is traced there: the step compares key, params and settings on device.
+    with pytest.raises(launch.LaunchError, match=r"disagree on the step key, the params or"):
+        launch.run_local_processes(
+            "unsplit._src.processes.global_batch_test:worker_step",
+            kwargs={"microbatches": 2, "bitwise": False, "skew_key": True, "in_jit": True},
+            timeout_s=240,
+        )

@@ -1,0 +1,126 @@
+"""train_step: two trees or a Flax TrainState, both modes, the same bits, compiled once."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import unsplit
+
+KEY = jax.random.key(3)
+X = jax.random.normal(jax.random.key(1), (16, 4))
+
+
+@pytest.fixture(autouse=True)
+def standard_promotion():
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
+        yield
+
+
+def loss_fn(w, x, key):
+    keep = jax.random.bernoulli(key, 0.7, x.shape)
+    return jnp.sum(jnp.tanh(jnp.where(keep, x, 0.0) @ w["a"]) @ w["b"]) ** 2
+
+
+def init():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"a": jax.random.normal(k1, (4, 8)), "b": jax.random.normal(k2, (8,))}
+
+
+def counting(optimizer, traces):
+    """``optimizer`` with a Python counter of how often its update is traced."""
+
+    def update(grads, state, params=None):
+        traces.append(1)
+        return optimizer.update(grads, state, params)
+
+    return optax.GradientTransformation(optimizer.init, update)
+
+
+def run_trees(step, optimizer, steps, batch=X):
+    params = init()
+    opt_state = optimizer.init(params)
+    train = unsplit.train_step(step, optimizer)
+    for i in range(steps):
+        loss, params, opt_state = train(params, opt_state, batch, jax.random.fold_in(KEY, i))
+    return loss, params, opt_state
+
+
+def run_state(step, optimizer, steps, batch=X):
+    state = train_state.TrainState.create(apply_fn=None, params=init(), tx=optimizer)
+    train = unsplit.train_step(step)
+    for i in range(steps):
+        loss, state = train(state, batch, jax.random.fold_in(KEY, i))
+    return loss, state
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_a_train_state_gives_the_bits_of_the_two_trees_and_counts_steps(bitwise):
+    step = unsplit.value_and_grad(loss_fn, microbatches=2, bitwise=bitwise)
+    optimizer = optax.adamw(1e-2)
+    loss, params, opt_state = run_trees(step, optimizer, 3)
+    state_loss, state = run_state(step, optimizer, 3)
+    assert unsplit.testing.bits_equal((state_loss, state.params, state.opt_state),
+                                      (loss, params, opt_state))  # fmt: skip
+    assert int(state.step) == 3
+    # What Flax's own loop computes: apply_gradients with the step's grads.
+    reference = train_state.TrainState.create(apply_fn=None, params=init(), tx=optimizer)
+    for i in range(3):
+        _, grads = step(reference.params, X, jax.random.fold_in(KEY, i))
+        reference = reference.apply_gradients(grads=grads)
+    np.testing.assert_allclose(state.params["a"], reference.params["a"], rtol=1e-6)
+
+
+def test_a_bitwise_train_state_run_is_the_same_on_one_device_and_eight():
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    one = run_state(
+        unsplit.value_and_grad(loss_fn, microbatches=4, bitwise=True, chunk_size=2), optimizer, 3
+    )
+    mesh = jax.make_mesh((8,), ("data",))
+    eight = run_state(
+        unsplit.value_and_grad(loss_fn, mesh=mesh, bitwise=True, chunk_size=2), optimizer, 3
+    )
+    assert unsplit.testing.bits_equal(
+        (one[0], one[1].params, one[1].opt_state), (eight[0], eight[1].params, eight[1].opt_state)
+    )
+    assert unsplit.testing.rel_l2(one[1].params, init()) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_the_update_is_traced_once(bitwise):
+    traces = []
+    optimizer = counting(optax.adam(1e-2), traces)
+    step = unsplit.value_and_grad(loss_fn, bitwise=bitwise)
+    run_state(step, optimizer, 3)
+    assert len(traces) == 1
+    traces.clear()
+    run_trees(step, optimizer, 3)
+    assert len(traces) == 1
+
+
+def test_a_train_state_with_another_optimizer_is_refused():
+    step = unsplit.value_and_grad(loss_fn)
+    state = train_state.TrainState.create(apply_fn=None, params=init(), tx=optax.sgd(0.1))
+    train = unsplit.train_step(step, optax.adam(1e-3))
+    with pytest.raises(ValueError, match=r"TrainState has another tx.*Fix: pass one of them"):
+        train(state, X, KEY)
+
+
+def test_without_an_optimizer_two_trees_are_refused_with_the_fix():
+    train = unsplit.train_step(unsplit.value_and_grad(loss_fn))
+    params = init()
+    with pytest.raises(TypeError, match=r"made without an optimizer.*got dict.*Fix: unsplit"):
+        train(params, optax.sgd(0.1).init(params), X, KEY)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(TypeError, match=r"step must be made by unsplit.value_and_grad"):
+        unsplit.train_step(loss_fn, optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"optimizer must be an optax.GradientTransformation"):
+        unsplit.train_step(unsplit.value_and_grad(loss_fn), "adam")
+    train = unsplit.train_step(unsplit.value_and_grad(loss_fn))
+    state = train_state.TrainState.create(apply_fn=None, params=init(), tx=optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"train\(state, batch, key, ids=None\)"):
+        train(state, X)
