@@ -142,3 +142,15 @@ def test_no_folder_of_product_code_is_too_big():
     for folder in [PRIVATE, *(p for p in PRIVATE.iterdir() if p.is_dir())]:
         modules = [p for p in folder.glob("*.py") if not is_test(p) and p.name != "__init__.py"]
         assert len(modules) <= 20, f"{folder.relative_to(ROOT)} has {len(modules)} modules"
+
+
+def test_tests_share_helpers_through_test_util_not_each_other():
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(t for t in imports(path) if t.endswith("_test"))
+        for path in python_files("src")
+        if is_test(path)
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, (
+        f"test modules import other test modules (move it to test_util): {offenders}"
+    )

@@ -15,6 +15,7 @@ from scipy import stats
 
 import unsplit
 from unsplit._src import random
+from unsplit._src import test_util as testing
 
 ALPHA = 1e-7  # false-failure probability of each single statistical check
 
@@ -159,27 +160,13 @@ def test_edge_shapes():
     assert random.keep_mask(key, (3, 0), 0.5).dtype == jnp.bool_
 
 
-def threefry_sizes(jaxpr) -> list[int]:
-    """Output sizes of every threefry2x32 hash in a jaxpr (unsplit's or jax's), nested included."""
-    sizes = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "threefry2x32" or eqn.params.get("name") == "threefry2x32":
-            sizes.append(eqn.outvars[0].aval.size)
-            continue
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                sizes += threefry_sizes(inner)
-    return sizes
-
-
 def test_one_hash_per_four_elements():
     """The speed design: threefry runs on size/4 counters (jax.random.bernoulli: size)."""
     jaxpr = jax.make_jaxpr(lambda k: random.keep_mask(k, (64, 128), 0.1))(jax.random.key(0))
-    assert threefry_sizes(jaxpr.jaxpr) == [64 * 128 // 4]
+    assert testing.threefry_sizes(jaxpr.jaxpr) == [64 * 128 // 4]
     # The grid layout: one hash per (batch, head) coordinate to fold it in, then one per 4.
     grid = jax.make_jaxpr(lambda k: random.grid_lanes16(k, (2, 8, 64, 128)))(jax.random.key(0))
-    assert threefry_sizes(grid.jaxpr) == [2 * 8, 2 * 8, 2 * 8 * 64 * 128 // 4]
+    assert testing.threefry_sizes(grid.jaxpr) == [2 * 8, 2 * 8, 2 * 8 * 64 * 128 // 4]
 
 
 def test_written_out_threefry_equals_jax():

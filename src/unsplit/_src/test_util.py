@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from unsplit._src.models import transformer as tf
 from unsplit._src.models.specs import fsdp_specs as fsdp_specs
@@ -138,3 +139,68 @@ def local_value(x: jax.Array) -> np.ndarray:
 def to_hex(tree: Any) -> list[str]:
     """Leaves as hex of their bytes: exact, JSON-friendly."""
     return [np.ascontiguousarray(np.asarray(x)).tobytes().hex() for x in jax.tree.leaves(tree)]
+
+
+# ---- a two-layer MLP whose params every layout can shard -------------------------------
+
+MLP_SIZES = D, H, C, B = 16, 32, 8, 64  # input, hidden, classes, batch
+
+
+def mlp_params():
+    """The MLP's params (host arrays)."""
+    rng = np.random.default_rng(0)
+    return {
+        "w1": rng.normal(0, 0.3, (D, H)).astype(np.float32),
+        "b1": np.zeros((H,), np.float32),
+        "w2": rng.normal(0, 0.3, (H, C)).astype(np.float32),
+        "b2": np.zeros((C,), np.float32),
+    }
+
+
+def mlp_batch():
+    """Its batch: inputs x, labels y, weights w."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(B, D)).astype(np.float32)
+    y = rng.integers(0, C, size=(B,)).astype(np.int32)
+    weight = rng.integers(1, 5, size=(B,)).astype(np.float32)
+    return {"x": x, "y": y, "w": weight}
+
+
+def mlp_loss(weighted):
+    def loss_fn(p, ex, key):
+        h = jax.nn.relu(ex["x"] @ p["w1"] + p["b1"])
+        keep = jax.random.bernoulli(key, 0.8, h.shape)
+        h = jnp.where(keep, h / 0.8, 0.0)
+        # On Explicit axes a contraction over a sharded dimension needs its output
+        # sharding, as in plain JAX (tensor parallel w2: the hidden axis is sharded).
+        explicit = jax.sharding.AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types
+        logits = jnp.matmul(h, p["w2"], out_sharding=P() if explicit else None) + p["b2"]
+        nll = -jax.nn.log_softmax(logits)[ex["y"]]
+        return (nll * ex["w"], ex["w"]) if weighted else nll
+
+    return loss_fn
+
+
+MLP_LOSSES = {w: mlp_loss(w) for w in (True, False)}
+
+# PartitionSpecs per layout; "data" is the batch axis, "model" the tensor-parallel axis.
+MLP_LAYOUTS = {
+    "replicated": {"w1": P(), "b1": P(), "w2": P(), "b2": P()},
+    "fsdp": {"w1": P("data", None), "b1": P(), "w2": P(None, "data"), "b2": P()},
+    "tp": {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()},
+    "fsdp+tp": {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", "data"), "b2": P()},
+}
+
+
+def threefry_sizes(jaxpr) -> list[int]:
+    """Output sizes of every threefry2x32 hash in a jaxpr (unsplit's or jax's), nested included."""
+    sizes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "threefry2x32" or eqn.params.get("name") == "threefry2x32":
+            sizes.append(eqn.outvars[0].aval.size)
+            continue
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                sizes += threefry_sizes(inner)
+    return sizes

@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 import unsplit
 from unsplit._src import test_util as testing
 from unsplit._src.models import transformer as tf
-from unsplit._src.step import default_test as layouts_test
 
 pytestmark = pytest.mark.xdist_group("bitwise")
 KEY = jax.random.fold_in(jax.random.key(0), 11)
@@ -111,15 +110,15 @@ def test_explicit_axes_with_a_loss_that_names_its_output_sharding(data):
     # An Explicit mesh needs out_sharding on a contraction over a sharded dimension (as in
     # plain JAX); the MLP of the default-mode layout tests does that.
     mesh = jax.make_mesh((data, 2), ("data", "model"))
-    specs = layouts_test.LAYOUTS["tp"]
-    host = layouts_test.init_params()
+    specs = testing.MLP_LAYOUTS["tp"]
+    host = testing.mlp_params()
     params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
-    step = unsplit.value_and_grad(layouts_test.LOSSES[True], weighted=True, mesh=mesh, bitwise=True)
-    out = step(params, layouts_test.make_batch(), KEY)
+    step = unsplit.value_and_grad(testing.MLP_LOSSES[True], weighted=True, mesh=mesh, bitwise=True)
+    out = step(params, testing.mlp_batch(), KEY)
     auto = jax.make_mesh((1, 2), ("data", "model"), axis_types=(AUTO, AUTO))
     auto_params = {k: jax.device_put(v, NamedSharding(auto, specs[k])) for k, v in host.items()}
-    ref = unsplit.value_and_grad(layouts_test.LOSSES[True], weighted=True, mesh=auto, bitwise=True)
-    assert testing.rel_l2(out[1], ref(auto_params, layouts_test.make_batch(), KEY)[1]) <= 1e-5
+    ref = unsplit.value_and_grad(testing.MLP_LOSSES[True], weighted=True, mesh=auto, bitwise=True)
+    assert testing.rel_l2(out[1], ref(auto_params, testing.mlp_batch(), KEY)[1]) <= 1e-5
     assert out[1]["w1"].sharding == params["w1"].sharding
 
 

@@ -262,7 +262,8 @@ def nnx_dot_product_attention(
     flax = functools.partial(nnx_attention.dot_product_attention, query, key, value, **options)
     if deterministic or not dropout_rate > 0.0:
         return flax(dropout_rng=dropout_rng, deterministic=deterministic, dtype=dtype)
-    _nnx_flax_checks(functools.partial(flax, dtype=dtype), dropout_rng, dropout_rate)
+    # module=None: the checks run on shapes, so they must not sow into the module.
+    _nnx_flax_checks(functools.partial(flax, dtype=dtype, module=None), dropout_rng, dropout_rate)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
     # Flax's weights without its mask (deterministic); ours next.
     weights = nnx_attention.dot_product_attention_weights(

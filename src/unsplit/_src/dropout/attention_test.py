@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from unsplit import linen as ulinen
 from unsplit import nnx as unnx
 from unsplit._src import random
+from unsplit._src import test_util as testing
 from unsplit._src.dropout import attention
 from unsplit._src.dropout.attention import attention_dropout
 
@@ -267,13 +268,16 @@ def test_no_more_compiled_temp_memory_than_flax(broadcast):
 
 def test_a_shared_mask_is_hashed_at_its_own_shape():
     """broadcast_dropout: one hash per 4 weights of one (q, k) mask, not per batch row and head."""
-    from unsplit._src.random_test import threefry_sizes
 
     q, k, v = qkv(batch=(4,), length=16, heads=2)
     jaxpr = jax.make_jaxpr(
         lambda key: ulinen.dot_product_attention(q, k, v, dropout_rng=key, dropout_rate=0.1)
     )(KEY)
-    assert threefry_sizes(jaxpr.jaxpr) == [1, 1, 16 * 16 // 4]  # fold in (0, 0), then the mask
+    assert testing.threefry_sizes(jaxpr.jaxpr) == [
+        1,
+        1,
+        16 * 16 // 4,
+    ]  # fold in (0, 0), then the mask
 
 
 # --- as attention_fn of Flax's attention modules ---

@@ -20,52 +20,11 @@ import unsplit
 from unsplit._src import test_util as testing
 
 KEY = jax.random.fold_in(jax.random.key(0), 3)
-D, H, C, B = 16, 32, 8, 64  # input, hidden, classes, batch
+D, H, C, B = testing.MLP_SIZES  # input, hidden, classes, batch
 TOL = 1e-5
+init_params, make_batch, mlp_loss = testing.mlp_params, testing.mlp_batch, testing.mlp_loss
+LOSSES, LAYOUTS = testing.MLP_LOSSES, testing.MLP_LAYOUTS
 
-
-def init_params():
-    rng = np.random.default_rng(0)
-    return {
-        "w1": rng.normal(0, 0.3, (D, H)).astype(np.float32),
-        "b1": np.zeros((H,), np.float32),
-        "w2": rng.normal(0, 0.3, (H, C)).astype(np.float32),
-        "b2": np.zeros((C,), np.float32),
-    }
-
-
-def make_batch():
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(B, D)).astype(np.float32)
-    y = rng.integers(0, C, size=(B,)).astype(np.int32)
-    weight = rng.integers(1, 5, size=(B,)).astype(np.float32)
-    return {"x": x, "y": y, "w": weight}
-
-
-def mlp_loss(weighted):
-    def loss_fn(p, ex, key):
-        h = jax.nn.relu(ex["x"] @ p["w1"] + p["b1"])
-        keep = jax.random.bernoulli(key, 0.8, h.shape)
-        h = jnp.where(keep, h / 0.8, 0.0)
-        # On Explicit axes a contraction over a sharded dimension needs its output
-        # sharding, as in plain JAX (tensor parallel w2: the hidden axis is sharded).
-        explicit = jax.sharding.AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types
-        logits = jnp.matmul(h, p["w2"], out_sharding=P() if explicit else None) + p["b2"]
-        nll = -jax.nn.log_softmax(logits)[ex["y"]]
-        return (nll * ex["w"], ex["w"]) if weighted else nll
-
-    return loss_fn
-
-
-LOSSES = {w: mlp_loss(w) for w in (True, False)}
-
-# PartitionSpecs per layout; "data" is the batch axis, "model" the tensor-parallel axis.
-LAYOUTS = {
-    "replicated": {"w1": P(), "b1": P(), "w2": P(), "b2": P()},
-    "fsdp": {"w1": P("data", None), "b1": P(), "w2": P(None, "data"), "b2": P()},
-    "tp": {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()},
-    "fsdp+tp": {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", "data"), "b2": P()},
-}
 # (data-parallel devices, microbatches); with a model axis the mesh is (data, model=2).
 SCHEDULES = [(1, 1), (8, 1), (4, 2), (2, 4)]
 
