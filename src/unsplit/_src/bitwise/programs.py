@@ -9,6 +9,9 @@
    for each of the group's chunks and adds their sums like a binary counter
    over the *global* chunk index (the canonical tree of
    :mod:`unsplit._src.bitwise.reduce`), with an elementwise add program.
+   On CPU its dots are put in a canonical layout on the YNNPACK path, so its
+   bits do not depend on the process's thread count
+   (:mod:`unsplit._src.bitwise.canonical_dots`).
 3. ``combine`` (the compute mesh): the groups' blocks added in the same tree:
    recursive doubling with ``ppermute`` when every group holds one aligned
    subtree, else an all-gather and the tree. Never a ``psum``.
@@ -31,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import reduce
+from unsplit._src.bitwise import canonical_dots, reduce
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import sums
 
@@ -118,6 +121,29 @@ def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
         return pack_sums(grads, loss_sum, weight), aux
 
     return run
+
+
+# Chunk programs on CPU get canonical dots (their bits then do not depend on the process's
+# thread count: canonical_dots). A switch for measuring what that costs, not a setting.
+CANONICAL_DOTS = True
+
+
+def lower_chunk(fn, args, devices):
+    """Group ``devices``' chunk program ``fn`` lowered for ``args``, and its compiler options.
+
+    On CPU the program's dots are rewritten to their canonical layout and sent to the
+    YNNPACK library path (:mod:`unsplit._src.bitwise.canonical_dots`); elsewhere it
+    is compiled as it is.
+    """
+    if CANONICAL_DOTS and canonical_dots.is_cpu(devices):
+        return jax.jit(canonical_dots.canonicalize(fn)).lower(*args), canonical_dots.CPU_OPTIONS
+    return jax.jit(fn).lower(*args), None
+
+
+def check_chunk(compiled, options) -> None:
+    """Refuses a CPU chunk program whose bits would depend on the thread count."""
+    if options is not None:
+        canonical_dots.check_cpu_program(compiled)
 
 
 @functools.partial(jax.jit, static_argnums=1)

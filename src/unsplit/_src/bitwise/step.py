@@ -19,7 +19,9 @@ step is a few calls per device group, whatever the number of parameters (they
 travel as one flat vector per dtype).
 
 The guarantee holds on the same hardware and software (JAX, jaxlib, XLA
-flags), the same ``chunk_size``, and the same model-parallel layout.
+flags), the same ``chunk_size``, and the same model-parallel layout; on CPU,
+whatever the process's thread count (chunk programs get canonical dots:
+:mod:`unsplit._src.bitwise.canonical_dots`).
 """
 
 from __future__ import annotations
@@ -232,12 +234,18 @@ class _Compiled:
         args = {g: (v, *chunks[0], k) for g, (v, chunks, k) in inputs.items()}
         keys = {g: self._key(g, args[g]) for g in self.local_groups}
         todo = [g for g in self.local_groups if keys[g] not in self.shared]
-        lowered = {g: jax.jit(self.chunk_fns[g]).lower(*args[g]) for g in todo}
+        lowered = {
+            g: programs.lower_chunk(self.chunk_fns[g], args[g], self.plan.group_devices(g).flat)
+            for g in todo
+        }
         if lowered:
             with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-                compiled = pool.map(lambda low: low.compile(), lowered.values())
+                compiled = pool.map(
+                    lambda low: low[0].compile(compiler_options=low[1]), lowered.values()
+                )
                 done = dict(zip(lowered, compiled, strict=True))
             for g, compiled in done.items():
+                programs.check_chunk(compiled, lowered[g][1])
                 self.shared[keys[g]] = compiled
         self.executables.update({g: self.shared[keys[g]] for g in self.local_groups})
 
@@ -250,6 +258,7 @@ class _Compiled:
         devices = self.plan.group_devices(g)
         plan, spec = self.plan, self.owner.spec
         return (
+            programs.CANONICAL_DOTS,
             spec.weighted,
             spec.has_aux,
             plan.structure,

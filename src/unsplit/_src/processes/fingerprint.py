@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -254,3 +256,37 @@ def _host_words(x: Any) -> np.ndarray | None:
     if unsigned is None:  # e.g. np.longdouble: no JAX counterpart
         return None
     return arr.view(unsigned).astype(np.uint32).reshape(-1)
+
+
+# XLA flags that change where a process runs or what it writes, not a program's bits:
+# the simulated device count only sizes the CPU thread pool, which bitwise mode's chunk
+# programs no longer depend on (unsplit._src.bitwise.canonical_dots).
+_BITS_NEUTRAL_FLAGS = ("--xla_force_host_platform_device_count", "--xla_dump")
+
+
+def bits_settings() -> dict[str, str]:
+    """This process's settings that a bitwise step's bits depend on (docs/bitwise.md).
+
+    Processes that must give the same bits -- those of one multi-process job, or
+    a run and the one-device run it is compared with -- need equal values:
+    the JAX and jaxlib versions, the backend and device kind, and the XLA flags
+    (``XLA_FLAGS``, less the simulated device count and dump options). The CPU
+    thread count (CPUs in the affinity mask, simulated devices) is not one of
+    them: a chunk program's dots run on a path that does not split by threads.
+
+    Example:
+        >>> from unsplit._src.processes.fingerprint import bits_settings
+        >>> sorted(bits_settings())
+        ['backend', 'device kind', 'jax', 'jaxlib', 'xla flags']
+    """
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_BITS_NEUTRAL_FLAGS)
+    ]
+    device = jax.local_devices()[0]
+    return {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "backend": device.platform,
+        "device kind": device.device_kind,
+        "xla flags": " ".join(sorted(flags)),
+    }

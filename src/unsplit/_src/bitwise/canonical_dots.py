@@ -1,0 +1,243 @@
+"""Chunk programs whose bits do not depend on the process's CPU thread count.
+
+XLA's CPU client runs a device's matmuls on an intra-op thread pool of
+``T = min(max(CPUs in the affinity mask, device count), 256)`` threads. Eigen,
+which runs the dots that the XNNPACK/YNNPACK library path does not take (the
+weight-gradient dots, whose LHS contracts dimension 0), splits a dot's
+contraction by ``T`` at run time: the same compiled program gives other bits in
+a process with another ``T`` -- e.g. a one-device step in a process started with
+8 simulated devices and in a process with 1 (measured: grads rel 1.5e-7).
+
+Two things together make the bits independent of ``T`` (``docs/bitwise.md``;
+tested with ``T`` = 1 and 16 in fresh processes):
+
+1. :func:`canonicalize` rewrites every ``dot_general`` of the (already
+   differentiated) program so both operands are laid out ``(batch dims, free
+   dims, contracting dims)``, with an ``optimization_barrier`` on the
+   reordered operands and on the output so XLA cannot fold the transposes
+   back. It walks ``jit``, ``custom_jvp``/``custom_vjp``, ``remat``, ``scan``,
+   ``cond``, ``while`` and ``shard_map`` bodies.
+2. :data:`CPU_OPTIONS` sends those dots (and elementwise ops) to the YNNPACK
+   library path, which does not split by ``T``.
+
+:func:`check_cpu_program` then refuses a compiled CPU program that still holds
+a real floating-point ``dot`` on Eigen, and warns on a ``convolution`` or a
+complex dot (not fixed: their bits may still depend on the thread count).
+Matrix-vector and integer dots need nothing (XLA emits matvecs as loops that
+are not threaded; integer sums are exact). Only CPU programs are changed;
+other backends compile the program as it is.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import jax
+from jax.extend import core
+from jax.extend.core import primitives
+
+# YNNPACK fusions for dots and elementwise ops; not REDUCE (its reductions are not
+# needed for the guarantee, and were not measured).
+CPU_OPTIONS = {
+    "xla_cpu_experimental_ynn_fusion_type": (
+        "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+    )
+}
+
+_INLINED = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+def is_cpu(devices) -> bool:
+    """Do these devices run XLA's CPU client (the only one whose dots :data:`CPU_OPTIONS` fix)?"""
+    return all(d.platform == "cpu" for d in devices)
+
+
+def canonicalize(fn):
+    """``fn`` with every ``dot_general`` in canonical layout (after any AD inside ``fn``).
+
+    The result traces ``fn`` once per call's input types (like ``jax.jit``)
+    and evaluates its jaxpr with the rewritten dots; jit it to compile.
+    """
+
+    def wrapped(*args):
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        out = _eval(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+    return wrapped
+
+
+def _canonical_dot(lhs, rhs, *, dimension_numbers, **params):
+    (lc, rc), (lb, rb) = dimension_numbers
+    lfree = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
+    rfree = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
+    lhs = jax.lax.transpose(lhs, (*lb, *lfree, *lc))
+    rhs = jax.lax.transpose(rhs, (*rb, *rfree, *rc))
+    lhs, rhs = jax.lax.optimization_barrier((lhs, rhs))
+    nb, nc = len(lb), len(lc)
+    batch = tuple(range(nb))
+    contract_l = tuple(range(nb + len(lfree), nb + len(lfree) + nc))
+    contract_r = tuple(range(nb + len(rfree), nb + len(rfree) + nc))
+    numbers = ((contract_l, contract_r), (batch, batch))
+    out = primitives.dot_general_p.bind(lhs, rhs, dimension_numbers=numbers, **params)
+    return jax.lax.optimization_barrier(out)
+
+
+def _retrace(jaxpr: core.Jaxpr, consts) -> tuple[core.Jaxpr, list[Any]]:
+    """``jaxpr`` (with ``consts``) traced again through :func:`_eval`: the same types."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    closed = jax.make_jaxpr(lambda *a: _eval(jaxpr, consts, *a))(*avals)
+    return closed.jaxpr, list(closed.consts)
+
+
+def _rewrite_param(value):
+    if isinstance(value, core.ClosedJaxpr):
+        return core.ClosedJaxpr(*_retrace(value.jaxpr, value.consts))
+    if isinstance(value, core.Jaxpr) and not value.constvars:
+        new, consts = _retrace(value, ())
+        return value if consts else new  # an open jaxpr cannot take new constants
+    if isinstance(value, tuple) and any(isinstance(v, core.ClosedJaxpr) for v in value):
+        return tuple(_rewrite_param(v) for v in value)
+    return value
+
+
+def _eval(jaxpr: core.Jaxpr, consts, *args) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        with eqn.ctx.manager:
+            if eqn.primitive is primitives.dot_general_p:
+                ans = _canonical_dot(*invals, **eqn.params)
+            elif name in _INLINED:  # post-AD: the primal computation, nothing differentiates it
+                body = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+                ans = _eval(body.jaxpr, body.consts, *invals)
+            elif name == "shard_map":
+                ans = _shard_map(eqn.params, invals)
+            else:
+                params = {k: _rewrite_param(v) for k, v in eqn.params.items()}
+                ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+        if eqn.primitive.multiple_results:
+            for v, x in zip(eqn.outvars, ans, strict=True):
+                env[v] = x
+        else:
+            env[eqn.outvars[0]] = ans
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _shard_map(params, invals) -> list[Any]:
+    """A ``shard_map`` equation again, through ``jax.shard_map``, its body via :func:`_eval`."""
+    body = params["jaxpr"]
+    mapped = jax.shard_map(
+        lambda *args: tuple(_eval(body, (), *args)),
+        mesh=params["mesh"],
+        in_specs=tuple(params["in_specs"]),
+        out_specs=tuple(params["out_specs"]),
+        axis_names=set(params.get("manual_axes", params.get("newly_manual_axes", ()))),
+        check_vma=params["check_vma"],
+    )
+    return mapped(*invals)
+
+
+# An HLO instruction's name and array shape (`%x = f32[8,16]{1,0} op(...)`).
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]")
+# A plain HLO dot or convolution instruction, and a dot's operands and dimensions.
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s(dot|convolution)\(")
+_OPERANDS = re.compile(r"\sdot\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
+_DTYPE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\w+)\[")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_LIBRARY = re.compile(r"calls=%?([\w.\-]+).*__ynn_fusion")
+
+
+def _dims(line: str, name: str) -> set[int]:
+    found = re.search(rf"{name}=\{{([\d,]*)\}}", line)
+    return {int(d) for d in found.group(1).split(",") if d} if found else set()
+
+
+def _is_vector_product(line: str, shapes: dict[str, list[int]]) -> bool:
+    """A dot where one side has no free elements beyond 1: XLA emits it as an LLVM IR
+    loop (matrix-vector), not on Eigen's thread pool (measured: same bits for T=1, 16)."""
+    operands = _OPERANDS.search(line)
+    if not operands or any(o not in shapes for o in operands.groups()):
+        return False
+    for side, name in zip(("lhs", "rhs"), operands.groups(), strict=True):
+        taken = _dims(line, f"{side}_batch_dims") | _dims(line, f"{side}_contracting_dims")
+        free = [n for d, n in enumerate(shapes[name]) if d not in taken]
+        if all(n == 1 for n in free):
+            return True
+    return False
+
+
+def plain_ops(text: str) -> dict[str, list[str]]:
+    """``{"dot": [...], "complex dot": [...], "convolution": [...]}``: the HLO lines of
+    ``text`` that Eigen runs, with bits that may depend on the thread count.
+
+    Not listed: a dot inside a computation that a YNNPACK fusion calls (the
+    library path), a matrix-vector dot (an LLVM IR loop, not threaded), an
+    integer dot (exact in any order).
+    """
+    library = set(_LIBRARY.findall(text))
+    shapes = {
+        m.group(1): [int(d) for d in m.group(2).split(",") if d]
+        for m in map(_DEFINITION.match, text.splitlines())
+        if m
+    }
+    found: dict[str, list[str]] = {"dot": [], "complex dot": [], "convolution": []}
+    computation = None
+    for line in text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head and "=" not in line.split("{")[0].split("(")[0]:
+            computation = head.group(1)
+            continue
+        op = _OP.match(line)
+        if not op or computation in library:
+            continue
+        kind = op.group(1)
+        if kind == "dot":
+            dtype = _DTYPE.match(line)
+            dtype = dtype.group(1) if dtype else ""
+            if dtype.startswith(("s", "u", "pred")) or _is_vector_product(line, shapes):
+                continue  # integer sums are exact in any order; matvecs are not threaded
+            if dtype.startswith("c"):
+                kind = "complex dot"
+        found[kind].append(line.strip())
+    return found
+
+
+def check_cpu_program(compiled, *, warn_unfixed: bool = True) -> None:
+    """Raises if a compiled CPU chunk program still runs a dot on Eigen (thread-dependent bits)."""
+    found = plain_ops(compiled.as_text())
+    if found["dot"]:
+        shown = "\n  ".join(line[:200] for line in found["dot"][:5])
+        raise RuntimeError(
+            "bitwise mode: the compiled CPU chunk program still runs "
+            f"{len(found['dot'])} dot(s) on XLA's Eigen path, whose bits depend on the "
+            "process's thread count (CPUs in the affinity mask, simulated device count). "
+            "Expected: every dot on the YNNPACK library path (a `__ynn_fusion`); got:\n  "
+            f"{shown}\nFix: report this with your loss function (a primitive whose body "
+            "unsplit does not rewrite, or a new XLA version), and meanwhile run every "
+            "process you compare with the same number of CPUs and the same "
+            "--xla_force_host_platform_device_count."
+        )
+    unfixed = {k: len(found[k]) for k in ("complex dot", "convolution") if found[k]}
+    if unfixed and warn_unfixed:
+        what = " and ".join(f"{n} {k}(s)" for k, n in unfixed.items())
+        warnings.warn(
+            f"bitwise mode: the chunk program has {what}, which run on XLA's Eigen path "
+            "on CPU: their bits may depend on the process's thread count (CPUs in the "
+            "affinity mask and the simulated device count), which bitwise mode does not fix "
+            "for them. Bits stay identical across schedules within processes that have the "
+            "same thread count. Fix: run the processes you compare with the same CPUs "
+            "(taskset) and the same --xla_force_host_platform_device_count.",
+            stacklevel=3,
+        )

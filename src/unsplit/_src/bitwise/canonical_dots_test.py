@@ -1,0 +1,162 @@
+"""Canonical dots: a chunk program's bits do not depend on the process's CPU thread count."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from unsplit._src import test_util as testing
+from unsplit._src.bitwise import canonical_dots
+
+
+def _params():
+    k = jax.random.split(jax.random.key(3), 3)
+    return {
+        "w1": jax.random.normal(k[0], (32, 48)) * 0.1,
+        "w2": jax.random.normal(k[1], (48, 48)) * 0.1,
+        "w3": jax.random.normal(k[2], (48, 4)) * 0.1,
+    }
+
+
+@jax.custom_vjp
+def _scaled(x):
+    return x @ x.T @ x
+
+
+_scaled.defvjp(lambda x: (_scaled(x), x), lambda x, g: (g @ x.T @ x,))
+
+
+def _loss(p, x):
+    """Dots inside remat, scan, cond, custom_jvp (relu), custom_vjp; einsums, matvecs."""
+    h = jax.checkpoint(lambda h: jnp.tanh(h @ p["w1"]))(x)
+    h = jax.nn.relu(h)
+    h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ p["w2"]), None), h, None, length=2)
+    h = jax.lax.cond(jnp.sum(h) > 0, lambda h: h @ p["w2"], lambda h: -h, h)
+    h = h + 0.01 * _scaled(h)
+    out = jnp.einsum("bh,ho->bo", h, p["w3"])
+    a, b = h.reshape(-1, 6, 8), h.reshape(-1, 8, 6)
+    matvec = jnp.sum(jnp.sin(h @ p["w3"][:, 0])) + jnp.sum(jnp.einsum("bi,bj->bij", h, x) ** 2)
+    return jnp.sum(out**2) + jnp.sum(jnp.einsum("bij,bjk->bik", a, b) ** 2) + matvec
+
+
+def test_rewrite_keeps_values_and_leaves_no_eigen_dot():
+    f = jax.value_and_grad(_loss)
+    x = jax.random.normal(jax.random.key(4), (16, 32))
+    reference = jax.jit(f)(_params(), x)
+    lowered = jax.jit(canonical_dots.canonicalize(f)).lower(_params(), x)
+    compiled = lowered.compile(compiler_options=canonical_dots.CPU_OPTIONS)
+    assert testing.rel_l2(compiled(_params(), x), reference) < 1e-6
+    assert not any(canonical_dots.plain_ops(compiled.as_text()).values())
+    canonical_dots.check_cpu_program(compiled)  # no error, no warning
+    # The program as XLA compiles it by default runs its weight-gradient dots on Eigen.
+    plain = jax.jit(f).lower(_params(), x).compile()
+    assert canonical_dots.plain_ops(plain.as_text())["dot"]
+
+
+def test_guard_names_the_eigen_dots_and_the_fix():
+    f = jax.grad(lambda w, x: jnp.sum((x @ w) ** 2))
+    compiled = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((256, 64))).compile()
+    with pytest.raises(RuntimeError, match=r"(?s)Eigen path.*Expected: every dot.*got:.*Fix:"):
+        canonical_dots.check_cpu_program(compiled)
+
+
+def test_integer_dots_pass_and_complex_dots_warn():
+    def f(a, b):
+        return (a.T @ b).astype(jnp.float32), jnp.real(
+            a.astype(jnp.complex64).T @ b.astype(jnp.complex64)
+        )
+
+    a, b = jnp.ones((64, 32), jnp.int32), jnp.ones((64, 32), jnp.int32)
+    compiled = (
+        jax.jit(canonical_dots.canonicalize(f))
+        .lower(a, b)
+        .compile(compiler_options=canonical_dots.CPU_OPTIONS)
+    )
+    found = canonical_dots.plain_ops(compiled.as_text())
+    assert not found["dot"]
+    if found["complex dot"]:
+        with pytest.warns(UserWarning, match="complex dot"):
+            canonical_dots.check_cpu_program(compiled)
+
+
+def test_convolutions_warn():
+    def conv(w, x):
+        return jnp.sum(jax.lax.conv(x, w, (1, 1), "SAME") ** 2)
+
+    w, x = jnp.ones((4, 3, 3, 3)), jnp.ones((2, 3, 8, 8))
+    compiled = (
+        jax.jit(canonical_dots.canonicalize(jax.grad(conv)))
+        .lower(w, x)
+        .compile(compiler_options=canonical_dots.CPU_OPTIONS)
+    )
+    if not canonical_dots.plain_ops(compiled.as_text())["convolution"]:
+        pytest.skip("this XLA runs no convolution on Eigen")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        canonical_dots.check_cpu_program(compiled)
+    assert any("thread count" in str(w.message) for w in caught)
+
+
+# One bitwise step on a one-device mesh, in a process pinned to one CPU with `devices`
+# simulated devices: the CPU client's thread pool then has max(1, devices) threads.
+_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, json
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" + sys.argv[1]
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh
+    import unsplit
+    from unsplit._src.bitwise import programs
+
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": jax.random.normal(k[0], (64, 64)) * 0.05,
+              "w2": jax.random.normal(k[1], (64, 64)) * 0.05,
+              "w3": jax.random.normal(k[2], (64, 16)) * 0.05}
+    batch = {"x": jax.random.normal(k[3], (512, 64)), "y": jnp.zeros((512, 16))}
+
+    def loss(p, ex, key):
+        h = jnp.tanh(ex["x"] @ p["w1"])
+        h = jnp.tanh(h @ p["w2"])
+        return jnp.sum((h @ p["w3"] - ex["y"]) ** 2)
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    out = {}
+    for canonical in (True, False):
+        programs.CANONICAL_DOTS = canonical
+        step = unsplit.value_and_grad(loss, mesh=mesh, bitwise=True, chunk_size=512)
+        _, grads = step(params, batch, jax.random.key(1))[:2]
+        out[str(canonical)] = {n: np.asarray(g).view(np.uint32).tolist() for n, g in grads.items()}
+    print(json.dumps(out))
+    """
+)
+
+
+def _bits(devices: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(devices)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # two fresh processes
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_same_bits_whatever_the_thread_count():
+    one, many = _bits(1), _bits(16)  # thread pools of 1 and 16 threads
+    # Negative control: without canonical dots the weight gradients differ.
+    assert one["False"] != many["False"]
+    assert one["True"] == many["True"]

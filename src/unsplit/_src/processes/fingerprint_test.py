@@ -1,0 +1,21 @@
+"""The settings a bitwise step's bits depend on."""
+
+import jax
+
+from unsplit._src.processes import fingerprint
+
+
+def test_bits_settings_leave_out_the_thread_count(monkeypatch):
+    monkeypatch.setenv(
+        "XLA_FLAGS",
+        "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x --xla_cpu_enable_fast_math=false",
+    )
+    one = fingerprint.bits_settings()
+    monkeypatch.setenv(
+        "XLA_FLAGS", "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=1"
+    )
+    assert fingerprint.bits_settings() == one
+    assert one["xla flags"] == "--xla_cpu_enable_fast_math=false"
+    assert one["jax"] == jax.__version__
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert fingerprint.bits_settings() != one
