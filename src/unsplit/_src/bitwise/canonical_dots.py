@@ -215,11 +215,15 @@ def plain_ops(text: str) -> dict[str, list[str]]:
 
 
 def check_cpu_program(compiled, *, warn_unfixed: bool = True) -> None:
-    """Raises if a compiled CPU chunk program still runs a dot on Eigen (thread-dependent bits)."""
+    """Warns if a compiled CPU chunk program still runs a dot on Eigen (thread-dependent bits).
+
+    A warning, not an error: the step is still bit-identical across schedules in
+    processes with the same thread count, as it was before the rewrite.
+    """
     found = plain_ops(compiled.as_text())
     if found["dot"]:
         shown = "\n  ".join(line[:200] for line in found["dot"][:5])
-        raise RuntimeError(
+        warnings.warn(
             "bitwise mode: the compiled CPU chunk program still runs "
             f"{len(found['dot'])} dot(s) on XLA's Eigen path, whose bits depend on the "
             "process's thread count (CPUs in the affinity mask, simulated device count). "
@@ -227,7 +231,8 @@ def check_cpu_program(compiled, *, warn_unfixed: bool = True) -> None:
             f"{shown}\nFix: report this with your loss function (a primitive whose body "
             "unsplit does not rewrite, or a new XLA version), and meanwhile run every "
             "process you compare with the same number of CPUs and the same "
-            "--xla_force_host_platform_device_count."
+            "--xla_force_host_platform_device_count.",
+            stacklevel=2,
         )
     unfixed = {k: len(found[k]) for k in ("complex dot", "convolution") if found[k]}
     if unfixed and warn_unfixed:

@@ -27,6 +27,8 @@ whatever the process's thread count (chunk programs get canonical dots:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import sys
 import weakref
 from typing import Any
 
@@ -38,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import plan as bitwise_plan
-from unsplit._src.bitwise import programs, reduce
+from unsplit._src.bitwise import programs, reduce, relocate
 from unsplit._src.step import sums, validate
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
@@ -230,24 +232,44 @@ class _Compiled:
         return loss, grads, aux, weight
 
     def _compile(self, inputs) -> None:
-        """Traces here (the caller's JAX settings apply), compiles every group in parallel."""
+        """Traces here (the caller's JAX settings apply), compiles each distinct program once.
+
+        One-device groups all run the same program: it is compiled for the first
+        group's device and loaded onto the others (:mod:`.relocate`), the same
+        machine code; groups of several devices are compiled in parallel.
+        """
         args = {g: (v, *chunks[0], k) for g, (v, chunks, k) in inputs.items()}
         keys = {g: self._key(g, args[g]) for g in self.local_groups}
         todo = [g for g in self.local_groups if keys[g] not in self.shared]
+        single = [g for g in todo if self.plan.group_devices(g).size == 1]
+        first = single[:1] + [g for g in todo if g not in single]
         lowered = {
             g: programs.lower_chunk(self.chunk_fns[g], args[g], self.plan.group_devices(g).flat)
-            for g in todo
+            for g in first
         }
         if lowered:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+            with _compiling(len(todo)), concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
                 compiled = pool.map(
                     lambda low: low[0].compile(compiler_options=low[1]), lowered.values()
                 )
                 done = dict(zip(lowered, compiled, strict=True))
-            for g, compiled in done.items():
-                programs.check_chunk(compiled, lowered[g][1])
-                self.shared[keys[g]] = compiled
+                for g, compiled in done.items():
+                    programs.check_chunk(compiled, lowered[g][1])
+                    self.shared[keys[g]] = compiled
+                for g in single[1:]:
+                    self.shared[keys[g]] = self._relocated(
+                        done[single[0]], g, lowered[single[0]][1], args[g]
+                    )
         self.executables.update({g: self.shared[keys[g]] for g in self.local_groups})
+
+    def _relocated(self, compiled, g: int, options, args) -> Any:
+        """Group ``g``'s program: ``compiled`` loaded onto its device, else compiled for it."""
+        (device,) = self.plan.group_devices(g).flat
+        try:
+            return relocate.Relocated(compiled, device, options)
+        except Exception:  # a runtime that cannot load it there: compile it for the device
+            low = programs.lower_chunk(self.chunk_fns[g], args, [device])
+            return low[0].compile(compiler_options=low[1])
 
     def _key(self, g: int, args) -> Any:
         """What group ``g``'s chunk program depends on: the params' and sums' flat layouts,
@@ -299,7 +321,7 @@ class _Placer:
     def flat(self, vector, by_device):
         shards = [by_device[d] for d in self.devices]
         if len(shards) == 1:
-            return shards[0]
+            return self.one_device(shards[0])
         axes = tuple(self.gmesh.axis_names)
         sharding = NamedSharding(self.gmesh, P(axes if len(axes) > 1 else axes[0]))
         length = shards[0].shape[0] * len(shards)
@@ -316,7 +338,7 @@ class _Placer:
             if all(d in found for d in self.devices):
                 pieces = [found[d] for d in self.devices]
                 if len(pieces) == 1:
-                    return pieces[0]
+                    return self.one_device(pieces[0])
                 return jax.make_array_from_single_device_arrays(
                     pieces[0].shape, self.replicated, pieces
                 )
@@ -330,6 +352,13 @@ class _Placer:
         if len(self.devices) == 1:
             return jax.device_put(host, self.devices[0])
         return jax.device_put(host, self.replicated)
+
+    def one_device(self, x):
+        """``x`` as a plain one-device array: a one-device mesh's shard can still be typed by
+        that mesh (Explicit axes), and the one-device chunk program takes no mesh types."""
+        if isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+            return x
+        return jax.device_put(x, self.devices[0])
 
     def whole(self, x):
         if len(self.devices) == 1:
@@ -347,3 +376,16 @@ def _id_words(ids, size: int):
         return keys_lib.id_words(ids)
     lo = jax.numpy.asarray(ids).astype(jax.numpy.uint32)
     return jax.numpy.zeros_like(lo), lo
+
+
+@contextlib.contextmanager
+def _compiling(groups: int):
+    """A spinner on an interactive terminal while the first call compiles (it can take a while)."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    message = f"unsplit: compiling the bitwise step's chunk program ({groups} device group(s))"
+    with Console(stderr=True).status(message):
+        yield

@@ -1,0 +1,54 @@
+"""A program compiled for one device, loaded onto others: the same bits, no compile."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import unsplit
+from unsplit._src.bitwise import relocate
+
+
+def grads(w, x, key):
+    keep = jax.random.bernoulli(key, 0.8, x.shape)
+    return jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.where(keep, x, 0.0) @ w) ** 2))(w)
+
+
+def example_loss(w, x, key):
+    keep = jax.random.bernoulli(key, 0.8, x.shape)
+    return jnp.sum(jnp.tanh(jnp.where(keep, x, 0.0) @ w) ** 2)
+
+
+def test_a_relocated_program_gives_the_bits_of_one_compiled_for_that_device():
+    devices = jax.devices()[:4]
+    w = jax.random.normal(jax.random.key(0), (64, 32))
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    key = jax.random.key(2)  # a typed key: passed to the executable as its data
+    first = jax.jit(grads).lower(*jax.device_put((w, x, key), devices[0])).compile()
+    for device in devices[1:]:
+        args = jax.device_put((w, x, key), device)
+        out = relocate.Relocated(first, device)(*args)
+        assert out.devices() == {device}
+        assert unsplit.testing.bits_equal(out, jax.jit(grads)(*args))
+    assert relocate.Relocated(first, devices[1]).as_text() == first.as_text()
+
+
+def test_other_arguments_are_refused():
+    d0, d1 = jax.devices()[:2]
+    first = jax.jit(lambda a, b: a + b).lower(*jax.device_put((1.0, 2.0), d0)).compile()
+    with pytest.raises(TypeError, match=r"expected arguments"):
+        relocate.Relocated(first, d1)(jax.device_put(np.float32(1.0), d1))
+
+
+def test_a_bitwise_step_compiles_its_chunk_program_once_for_every_one_device_group():
+    mesh = jax.make_mesh((8,), ("data",))
+    step = unsplit.value_and_grad(example_loss, mesh=mesh, bitwise=True, chunk_size=2)
+    w = jax.random.normal(jax.random.key(0), (32, 16))
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+    out = step(w, x, jax.random.key(3))
+    (state,) = step.engine._plans.values()
+    first, *others = (state.executables[g] for g in range(8))
+    assert isinstance(first, jax.stages.Compiled)
+    assert all(isinstance(e, relocate.Relocated) and e.compiled is first for e in others)
+    one = unsplit.value_and_grad(example_loss, bitwise=True, chunk_size=2)(w, x, jax.random.key(3))
+    assert unsplit.testing.bits_equal(out, one)
