@@ -53,7 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run = p.add_argument_group("run and schedule")
+    _add_run_options(p.add_argument_group("run and schedule"))
+    _add_checkpoint_options(p.add_argument_group("checkpoints"))
+    _add_model_options(p.add_argument_group("model, data and optimizer (fixed for a run)"))
+    _add_output_options(p.add_argument_group("output and testing"))
+    _add_worker_options(
+        p.add_argument_group("one process of a multi-process run (set by --processes)")
+    )
+    return p
+
+
+def _add_run_options(run: argparse._ArgumentGroup) -> None:
     run.add_argument(
         "--steps",
         type=int,
@@ -88,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="bit-identical results for every schedule (unsplit's bitwise mode)",
     )
-    ckpt = p.add_argument_group("checkpoints")
+
+
+def _add_checkpoint_options(ckpt: argparse._ArgumentGroup) -> None:
     ckpt.add_argument("--ckpt-dir", metavar="DIR", help="where checkpoints go (none if omitted)")
     ckpt.add_argument(
         "--save-every",
@@ -108,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the final params, one array per parameter keyed by its tree "
         "path (jax.tree_util.keystr)",
     )
-    model = p.add_argument_group("model, data and optimizer (fixed for a run)")
+
+
+def _add_model_options(model: argparse._ArgumentGroup) -> None:
     model.add_argument(
         "--global-batch",
         type=int,
@@ -136,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--heads", type=int, default=4, help="attention heads; default 4")
     model.add_argument("--dropout", type=float, default=0.1, help="dropout rate; default 0.1")
     model.add_argument("--learning-rate", type=float, default=3e-3, help="Adam; default 3e-3")
-    out = p.add_argument_group("output and testing")
+
+
+def _add_output_options(out: argparse._ArgumentGroup) -> None:
     out.add_argument(
         "--no-progress", action="store_true", help="plain log lines instead of a progress bar"
     )
@@ -147,10 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulate a preemption: once global step N is done (and any save in "
         "flight has finished), process 0 sends itself SIGKILL",
     )
-    multi = p.add_argument_group("one process of a multi-process run (set by --processes)")
+
+
+def _add_worker_options(multi: argparse._ArgumentGroup) -> None:
     multi.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     multi.add_argument("--coordinator", metavar="HOST:PORT", help=argparse.SUPPRESS)
-    return p  # fmt: skip
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -218,25 +235,7 @@ def train(args: argparse.Namespace) -> int:
     say = Reporter(args, lead)
     topology = {"processes": jax.process_count(), "devices": args.devices,
                 "microbatches": args.microbatches}  # fmt: skip
-    ckpt = None
-    params, opt_state, start = run.params, run.opt_state, 0
-    if args.ckpt_dir:
-        ckpt = unsplit.checkpoint.Checkpointer(args.ckpt_dir, settings=run.settings)
-        newest = ckpt.latest_step()
-        if newest is not None and not args.resume:
-            raise FileExistsError(
-                f"{args.ckpt_dir} already holds checkpoints (the newest after step {newest}). "
-                "Fix: add --resume to continue that run, or pass an empty --ckpt-dir."
-            )
-        if newest is not None:
-            saved = ckpt.metadata(newest)["info"]
-            start, (params, opt_state) = ckpt.restore(like=(params, opt_state))
-            say.line(
-                f"resumed from the checkpoint after step {start} (saved on "
-                f"{describe(saved)}), now on {describe(topology)}"
-            )
-        elif args.resume:
-            say.line(f"no checkpoint in {args.ckpt_dir} yet: starting at step 0")
+    ckpt, start, (params, opt_state) = open_checkpoints(args, run, say, topology)
     say.line(
         f"training steps {start}..{args.steps} on {describe(topology)}, "
         f"{'bitwise' if args.bitwise else 'default'} mode, global batch {args.global_batch}"
@@ -262,14 +261,48 @@ def train(args: argparse.Namespace) -> int:
     if ckpt is not None:
         ckpt.close()
     if args.params_out and lead:
-        arrays = host_params(params)
-        tmp = args.params_out + ".tmp.npz"
-        np.savez(tmp, **arrays)
-        os.replace(tmp, args.params_out)
-        say.line(f"wrote {len(arrays)} parameters to {args.params_out}")
+        write_params(args.params_out, params, say)
     if args.process_id is not None:
         jax.distributed.shutdown()
     return 0
+
+
+def open_checkpoints(args: argparse.Namespace, run, say, topology: dict):
+    """``(checkpointer or None, start step, (params, opt_state))``: resumed if asked and saved."""
+    import unsplit
+
+    state = (run.params, run.opt_state)
+    if not args.ckpt_dir:
+        return None, 0, state
+    ckpt = unsplit.checkpoint.Checkpointer(args.ckpt_dir, settings=run.settings)
+    newest = ckpt.latest_step()
+    if newest is not None and not args.resume:
+        raise FileExistsError(
+            f"{args.ckpt_dir} already holds checkpoints (the newest after step {newest}). "
+            "Fix: add --resume to continue that run, or pass an empty --ckpt-dir."
+        )
+    if newest is None:
+        if args.resume:
+            say.line(f"no checkpoint in {args.ckpt_dir} yet: starting at step 0")
+        return ckpt, 0, state
+    saved = ckpt.metadata(newest)["info"]
+    start, state = ckpt.restore(like=state)
+    say.line(
+        f"resumed from the checkpoint after step {start} (saved on "
+        f"{describe(saved)}), now on {describe(topology)}"
+    )
+    return ckpt, start, state
+
+
+def write_params(path: str, params, say) -> None:
+    """The final params as ``.npz``, one array per tree path, written atomically."""
+    import numpy as np
+
+    arrays = host_params(params)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+    say.line(f"wrote {len(arrays)} parameters to {path}")
 
 
 # The run: model, data, step and optimizer on a mesh --------------------------------------

@@ -3,6 +3,7 @@
 import importlib.util
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -11,10 +12,16 @@ SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_lm
 
 @pytest.fixture(scope="module")
 def train_lm():
+    # Registered before it runs, as an import would: dataclasses resolves the script's
+    # string annotations through sys.modules[cls.__module__].
     spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
 
 
 def parse(train_lm, *argv):

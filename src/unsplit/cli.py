@@ -50,14 +50,17 @@ Prints a table (final loss, largest |parameter difference| against the
 reference, bit-identical or not, time per step). Bitwise rows differ by exactly
 0; default rows by float rounding; contrast rows by far more. The devices are
 simulated on the CPU (XLA_FLAGS=--xla_force_host_platform_device_count=8), so
-the demo runs on any machine. The default run takes about 2.5 minutes on an idle
-2-core CPU; --quick takes under a minute. It prints an estimate after the first steps.
+the demo runs on any machine. The default run (a one-layer model, 30 steps) takes
+about 2 minutes on an idle 2-core CPU, most of it compiling; --long trains a bigger
+model for 200 steps (about 8 minutes); --quick is the default for 16 steps. It
+prints an estimate after the first steps, and a progress bar.
 """
 
 _DEMO_EPILOG = """\
 examples:
   unsplit demo --plot demo.png               the default run, with the picture
-  unsplit demo --quick --json out.json       a small run, results as JSON
+  unsplit demo --quick --json out.json       a short run, results as JSON
+  unsplit demo --long --plot demo.png        the bigger model, 200 steps
   unsplit demo --steps 400 --width 128       longer, bigger
 """
 
@@ -66,6 +69,7 @@ _FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``unsplit`` parser: one subparser per command (``demo``, ``audit``)."""
     parser = argparse.ArgumentParser(
         prog="unsplit",
         description=_DESCRIPTION,
@@ -73,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_demo_parser(sub)
+    _add_audit_parser(sub)
+    return parser
+
+
+def _add_demo_parser(sub) -> None:
     demo = sub.add_parser(
         "demo",
         help="train one model under many schedules and compare (see `unsplit demo --help`)",
@@ -80,20 +90,34 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_DEMO_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d = demo_config.DemoConfig()
-    quick = demo_config.QUICK
-    run = demo.add_argument_group("training")
+    _add_demo_training_options(demo.add_argument_group("training"))
+    _add_demo_model_options(demo.add_argument_group("model and data"))
+    _add_demo_output_options(demo.add_argument_group("output"))
+
+
+def _preset_text(preset: dict) -> str:
+    return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in preset.items())
+
+
+def _add_demo_training_options(run: argparse._ArgumentGroup) -> None:
+    d, quick, long = demo_config.DemoConfig(), demo_config.QUICK, demo_config.LONG
     run.add_argument(
         "--steps",
         type=_integer("steps", 2),
-        help=f"Adam steps per schedule (default {d.steps}; quick {quick['steps']})",
+        help=f"Adam steps per schedule (default {d.steps}; quick {quick['steps']}; "
+        f"long {long['steps']})",
     )
-    run.add_argument(
+    size = run.add_mutually_exclusive_group()
+    size.add_argument(
         "--quick",
         action="store_true",
-        help="a small model and few steps, compiled with XLA's backend optimizations off "
-        "(XLA_FLAGS --xla_backend_optimization_level=0), for a check in under a minute: "
-        + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in quick.items()),
+        help="a tiny model and few steps, for a check of the installation: " + _preset_text(quick),
+    )
+    size.add_argument(
+        "--long",
+        action="store_true",
+        help="the bigger model, trained longer, compiled with XLA's backend optimizations on "
+        "(several minutes on 2 cores): " + _preset_text(long),
     )
     run.add_argument(
         "--seed",
@@ -110,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the 2-process rows (they start 2 local processes talking over 127.0.0.1)",
     )
-    model = demo.add_argument_group("model and data")
+
+
+def _add_demo_model_options(model: argparse._ArgumentGroup) -> None:
+    d = demo_config.DemoConfig()
     model.add_argument(
         "--batch-size",
         type=_integer("batch_size", 8),
@@ -135,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_number("dropout", 0.0, 1.0),
         help=f"dropout rate, residual and attention (default {d.dropout})",
     )
-    out = demo.add_argument_group("output")
+
+
+def _add_demo_output_options(out: argparse._ArgumentGroup) -> None:
     out.add_argument("--json", metavar="PATH", help="write every row and curve as JSON to PATH")
     out.add_argument(
         "--plot",
@@ -143,8 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a PNG to PATH: loss curves, and divergence on a log scale",
     )
     out.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
-    _add_audit_parser(sub)
-    return parser
 
 
 def _integer(name: str, low: int, high: int | None = None):
@@ -256,14 +283,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def config_from_args(args: argparse.Namespace) -> demo_config.DemoConfig:
-    """The demo's settings from parsed options; ``--quick`` fills what is not given."""
+    """The demo's settings from parsed options; ``--quick`` or ``--long`` fills what is not given."""
     names = ("steps", "batch_size", "length", "width", "layers", "heads", "dropout")
     given = {k: getattr(args, k) for k in (*names, "learning_rate", "seed")}
-    return demo_config.make(quick=args.quick, **given)
+    preset = "quick" if args.quick else "long" if getattr(args, "long", False) else "default"
+    return demo_config.make(preset, **given)
 
 
 def xla_flags(existing: str, fast_compile: bool = False) -> str:
-    """``existing`` XLA flags plus 8 simulated devices (and, for ``--quick``, -O0).
+    """``existing`` XLA flags plus 8 simulated devices (and, with ``fast_compile``, -O0).
 
     Flags already present win: a device count or optimization level the user
     set is kept.
@@ -284,9 +312,9 @@ def xla_flags(existing: str, fast_compile: bool = False) -> str:
 def setup_jax_environment(fast_compile: bool = False) -> None:
     """8 simulated CPU devices: must run before JAX creates its first device.
 
-    ``fast_compile`` (``--quick``) turns XLA's backend optimizations off: a
-    program compiles in about 1 s instead of 5, and runs about as fast at the
-    quick model's size. Every run of the demo (its processes too) uses the same
+    ``fast_compile`` (every preset but ``--long``) turns XLA's backend
+    optimizations off: a program compiles several times faster, and runs about
+    as fast at the demo's size. Every run of the demo (its processes too) uses the same
     flags, so the comparisons hold either way.
     """
     os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""), fast_compile)
@@ -349,7 +377,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _check_plot_format(parser, args.plot)
     _check_output(parser, "--json", args.json)
     _check_output(parser, "--plot", args.plot)
-    setup_jax_environment(fast_compile=args.quick)
+    setup_jax_environment(fast_compile=config.fast_compile)
     from unsplit.demo import report as demo_report  # starts jax's backend: after the setup above
 
     try:

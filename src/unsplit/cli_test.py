@@ -1,12 +1,20 @@
-"""The command line: help text, option checks and the jax environment it sets up."""
+"""The command line: help text, option checks, the jax environment it sets up, and
+``unsplit audit MODULE:FACTORY`` (output, --strict, --json, factory errors)."""
 
 import argparse
+import json
+import os
+import pathlib
 import subprocess
 import sys
+import textwrap
 
+import jax
 import pytest
 
+import unsplit
 from unsplit import cli
+from unsplit.audit_corpus import batched, per_example
 from unsplit.demo import config as demo_config
 
 
@@ -77,6 +85,15 @@ def test_quick_fills_only_what_is_not_given():
     assert default == demo_config.DemoConfig()
 
 
+def test_long_fills_what_is_not_given_and_excludes_quick(capsys):
+    args = cli.build_parser().parse_args(["demo", "--long", "--width", "32"])
+    config = cli.config_from_args(args)
+    assert config.steps == demo_config.LONG["steps"] and config.width == 32
+    assert not config.fast_compile  # the long run compiles with XLA's optimizations
+    code, _, err = _run(capsys, ["demo", "--long", "--quick"])
+    assert code == 2 and "not allowed with argument" in err
+
+
 def test_xla_flags_keep_what_the_user_set():
     assert cli.xla_flags("") == "--xla_force_host_platform_device_count=8"
     flags = cli.xla_flags("--xla_dump_to=/tmp/x", fast_compile=True).split()
@@ -98,3 +115,235 @@ def test_python_dash_m_unsplit_help():
         check=True,
     ).stdout
     assert "usage: unsplit demo" in out
+
+
+# ---- the demo's arguments: refused before any work, argparse style ----
+
+
+def _demo_error(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", *argv])
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seed", "-1"], "argument --seed: seed must be in [0, 2**63 - 1] (an integer); got -1"),
+        (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
+        (["--learning-rate", "nan"], "argument --learning-rate: learning_rate must be > 0 and "
+         "finite; got nan"),
+        (["--learning-rate", "inf"], "learning_rate must be > 0 and finite; got inf"),
+        (["--learning-rate", "0"], "learning_rate must be > 0 and finite; got 0"),
+        (["--dropout", "nan"], "argument --dropout: dropout must be in (0, 1); got nan"),
+        (["--dropout", "1"], "dropout must be in (0, 1); got 1"),
+        (["--steps", "0"], "argument --steps: steps must be >= 2 (an integer); got 0"),
+        (["--batch-size", "-8"], "argument --batch-size: batch_size must be >= 8 (an integer); "
+         "got -8"),
+        (["--length", "2"], "argument --length: length must be >= 4 (an integer); got 2"),
+        (["--width", "0"], "argument --width: width must be >= 1 (an integer); got 0"),
+        (["--layers", "-1"], "argument --layers: layers must be >= 1 (an integer); got -1"),
+        (["--heads", "0"], "argument --heads: heads must be >= 1 (an integer); got 0"),
+        (["--plot", "out.txt"], "--plot out.txt: matplotlib cannot write '.txt' files"),
+    ],
+)  # fmt: skip
+def test_bad_demo_arguments_fail_before_any_work(capsys, argv, message):
+    assert message in _demo_error(capsys, *argv)
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_unwritable_output_paths_fail_before_any_work(capsys, option):
+    # /proc refuses new files even to root, so this holds whoever runs the tests.
+    path = "/proc/unsplit-out.png"
+    err = _demo_error(capsys, option, path)
+    assert f"{option} {path}: cannot write there" in err and "Fix:" in err
+
+
+def test_json_and_plot_must_be_different_files(capsys, tmp_path):
+    path = str(tmp_path / "out.png")
+    err = _demo_error(capsys, "--json", path, "--plot", path)
+    assert "--json and --plot name the same file" in err
+    assert not os.path.exists(path)  # the write check leaves nothing behind
+
+
+# ---- unsplit audit ----
+
+PROBLEM = "unsplit.audit_corpus.batched:same_key_microbatches"
+CLEAN = "unsplit.audit_corpus.clean:vmapped_example_keys"
+
+
+def _audit(capsys, argv):
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_help_explains_the_audit_command(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "audit" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["audit", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for words in ("MODULE:FACTORY", "(fn, args)", "(loss_fn, args, options)", "--strict", "--json"):
+        assert words in out
+    assert "exit status" in out and "mean_of_means" in out
+
+
+def test_default_output_is_one_panel_per_finding_with_the_source_line(capsys):
+    code, out, _ = _audit(capsys, ["audit", PROBLEM])
+    assert code == 0
+    assert out.count("╭─ batch_draw") == 1
+    assert "fix:" in out and "unsplit.value_and_grad" in out
+    lines = pathlib.Path(batched.__file__).read_text().splitlines()
+    line = next(i + 1 for i, t in enumerate(lines) if t.endswith("# expect: same_key_microbatches"))
+    assert f"audit_corpus/batched.py:{line}" in out
+    assert "jax.random.bernoulli(sub, 0.9" in out  # the source line itself
+    assert "1 finding(s) in" in out
+
+
+@pytest.mark.parametrize(("target", "code"), [(PROBLEM, 1), (CLEAN, 0)])
+def test_strict_exits_1_on_any_finding(capsys, target, code):
+    got, out, _ = _audit(capsys, ["audit", target, "--strict"])
+    assert got == code
+    assert ("no findings" in out) == (code == 0)
+
+
+def test_json_lists_the_findings(capsys):
+    code, out, _ = _audit(capsys, ["audit", "unsplit.audit_corpus.per_example:rbg_key", "--json"])
+    assert code == 0
+    (finding,) = json.loads(out)
+    assert set(finding) == {"kind", "message", "fix", "file", "line"}
+    assert finding["kind"] == "unsafe_key" and finding["file"] == per_example.__file__
+    assert isinstance(finding["line"], int)
+    _, clean, _ = _audit(capsys, ["audit", CLEAN, "--json"])
+    assert json.loads(clean) == []
+
+
+def test_a_file_path_factory(tmp_path, capsys):
+    path = tmp_path / "mystep.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import jax, jax.numpy as jnp
+
+            def make():
+                def step(w, x, key):
+                    keep = jax.random.bernoulli(key, 0.9, x.shape)
+                    return jnp.sum(jnp.where(keep, x, 0.0) @ w)
+                return step, (jnp.ones(3), jnp.ones((8, 3)), jax.random.key(0))
+            """
+        )
+    )
+    code, out, _ = _audit(capsys, ["audit", f"{path}:make", "--json", "--strict"])
+    assert code == 1
+    (finding,) = json.loads(out)
+    assert (finding["kind"], finding["file"], finding["line"]) == ("batch_draw", str(path), 6)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("no_colon_here", "expected MODULE:FACTORY"),
+        ("no.such.module:make", "could not import module 'no.such.module'"),
+        ("unsplit.audit_corpus.batched:nope", "has no attribute 'nope'"),
+        ("unsplit.audit_corpus.batched:MICROBATCHES", "is a int, not a function"),
+        ("unsplit.audit_corpus._data:key", "must return (fn, args) or (loss_fn, args, options)"),
+        ("/no/such/file.py:make", "no such file"),
+    ],
+)
+def test_factory_errors_exit_2_with_the_fix(capsys, target, message):
+    code, out, err = _audit(capsys, ["audit", target])
+    assert code == 2 and out == ""
+    assert message in err and err.startswith("unsplit audit: ") and "Fix:" in err
+
+
+def test_factory_results_are_checked(capsys, monkeypatch):
+    def raises():
+        raise RuntimeError("no data today")
+
+    def args_not_a_tuple():
+        step, args = batched.batch_level_dropout()
+        return step, {"w": args[0]}
+
+    def options_not_a_dict():
+        loss_fn, args, _ = per_example.closure_key()
+        return loss_fn, args, ["weighted"]
+
+    def wrong_option():
+        loss_fn, args, _ = per_example.closure_key()
+        return loss_fn, args, {"weigted": True}
+
+    def does_not_trace():
+        step, args = batched.batch_level_dropout()
+        return step, args[:2]  # the key is missing
+
+    def not_callable():
+        return 42, ()
+
+    cases = {
+        "raises": "raised RuntimeError: no data today",
+        "does_not_trace": "does_not_trace() returned failed: TypeError",
+        "not_callable": "returned fn=42, which is not callable",
+        "args_not_a_tuple": "expected a tuple of fn's positional inputs",
+        "options_not_a_dict": "expected a dict of unsplit.audit options",
+        "wrong_option": "accepts weighted and has_aux",
+    }
+    for name, message in cases.items():
+        monkeypatch.setattr(batched, name, locals()[name], raising=False)
+        code, _, err = _audit(capsys, ["audit", f"unsplit.audit_corpus.batched:{name}"])
+        assert code == 2 and message in err and "Fix:" in err, (name, err)
+
+
+def test_a_module_that_fails_to_import(tmp_path, capsys):
+    path = tmp_path / "broken.py"
+    path.write_text("raise ImportError('missing dependency')\n")
+    code, _, err = _audit(capsys, ["audit", f"{path}:make"])
+    assert code == 2 and "raised ImportError: missing dependency" in err and "Fix:" in err
+
+
+def test_an_unsplit_step_is_audited_as_it_calls_its_loss(capsys, monkeypatch):
+    def bitwise_step():  # a bitwise step cannot be traced; its per-example loss can
+        loss_fn, args, _ = per_example.closure_key()
+        return unsplit.value_and_grad(loss_fn, bitwise=True, chunk_size=4), args
+
+    monkeypatch.setattr(batched, "bitwise_step", bitwise_step, raising=False)
+    code, out, _ = _audit(capsys, ["audit", "unsplit.audit_corpus.batched:bitwise_step", "--json"])
+    assert code == 0
+    assert [(f["kind"], f["file"]) for f in json.loads(out)] == [
+        ("foreign_key", per_example.__file__)
+    ]
+
+
+def test_the_output_shown_in_the_docs_is_real(capsys, monkeypatch):
+    root = pathlib.Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "audit.md").read_text()
+    block = text.split("### Real output", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.chdir(root)
+    runs = block.split("$ unsplit ")[1:]
+    assert len(runs) >= 4
+    for run in runs:
+        command, _, shown = run.partition("\n")
+        argv = command.split(";")[0].split()
+        with jax.numpy_dtype_promotion("standard"):  # the corpus is user code (optax)
+            code, out, err = _audit(capsys, argv)
+        assert not err, err
+        expected = [line for line in shown.splitlines() if not line.startswith("exit status")]
+        got = out.replace(str(root), "...").splitlines()
+        assert [line.rstrip() for line in got] == [line.rstrip() for line in expected if line], argv
+        if "exit status" in shown:
+            assert f"exit status {code}" in shown, argv
+
+
+def test_python_m_unsplit_audit_entry_point():
+    proc = subprocess.run(
+        [sys.executable, "-m", "unsplit", "audit", PROBLEM, "--strict", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert [f["kind"] for f in json.loads(proc.stdout)] == ["batch_draw"]

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src.models import transformer as tf
+from unsplit import models
 from unsplit.demo import config as demo_config
 from unsplit.demo import data as demo_data
 
@@ -51,9 +51,9 @@ class ElasticConfig:
     chunk_size: int | None = None  # bitwise mode's unit of work; default 1 (any schedule)
     microbatches: int = 1  # schedule only: may change on resume
 
-    def model(self) -> tf.Transformer:
-        return tf.Transformer(
-            tf.TransformerConfig(
+    def model(self) -> models.Transformer:
+        return models.Transformer(
+            models.TransformerConfig(
                 vocab=demo_config.VOCAB,
                 length=self.length,
                 width=self.width,
@@ -135,7 +135,7 @@ def setup(config: ElasticConfig, mesh: jax.sharding.Mesh, source: Any = None) ->
     )
     model = config.model()
     step = unsplit.value_and_grad(
-        tf.token_loss(model),
+        models.token_loss(model),
         weighted=True,
         microbatches=config.microbatches,
         mesh=mesh,
@@ -143,7 +143,7 @@ def setup(config: ElasticConfig, mesh: jax.sharding.Mesh, source: Any = None) ->
         chunk_size=config.effective_chunk_size(),
     )
     optimizer = optax.adam(config.learning_rate)
-    params = jax.device_get(tf.init_params(model, config.seed))
+    params = jax.device_get(models.init_params(model, config.seed))
     opt_state = jax.device_get(optimizer.init(params))
     return Setup(
         config=config,

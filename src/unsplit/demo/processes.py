@@ -1,7 +1,7 @@
 """The demo's multi-process rows: 2 real local processes x 2 devices x 2 microbatches.
 
 :func:`run_processes` starts 2 JAX processes on this machine
-(:func:`unsplit._src.processes.launch.run_local_processes`, ``jax.distributed`` over
+(:func:`unsplit.testing.run_local_processes`, ``jax.distributed`` over
 gloo on 127.0.0.1). Each runs :func:`process_worker`: the same model, data and
 seed as the parent, a mesh over the 4 devices of both processes, and only its
 own rows of each global batch (grain's order, ``unsplit.data.global_steps``),
@@ -24,8 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src.models import transformer as tf
-from unsplit._src.processes import launch
+from unsplit import models, testing
 from unsplit.demo import data as demo_data
 from unsplit.demo import train as dt
 
@@ -49,7 +48,7 @@ def run_processes(
         timeout_s: bound on the whole launch; on expiry every process is killed.
 
     Raises:
-        unsplit._src.processes.launch.LaunchError: a process failed or ran out of time.
+        unsplit.testing.LaunchError: a process failed or ran out of time.
     """
     with tempfile.TemporaryDirectory(prefix="unsplit-demo-") as tmp:
         snapshots, status = os.path.join(tmp, "snapshots.npz"), os.path.join(tmp, "progress")
@@ -72,7 +71,7 @@ def run_processes(
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         try:
-            results = launch.run_local_processes(
+            results = testing.run_local_processes(
                 "unsplit.demo.processes:process_worker",
                 num_processes=PROCESSES,
                 devices_per_process=DEVICES_PER_PROCESS,
@@ -103,13 +102,13 @@ def _read_progress(path: str) -> tuple[int, int] | None:
 
 
 def process_worker(config: dict, bitwise: list[bool], snapshots: str, progress: str) -> dict:
-    """One of the processes (run by ``launch.run_local_processes``; not for direct use)."""
+    """One of the processes (run by ``unsplit.testing.run_local_processes``; not for direct use)."""
     cfg = dt.DemoConfig(**config)
     model, params, opt = dt.initial_state(cfg)
     apply = dt.apply_fn(opt)
     mesh = dt.make_mesh(jax.device_count())
     data = demo_data.Dataset(cfg.batch_size, cfg.length, cfg.seed, mesh=mesh)  # only our rows
-    loss_fn = tf.token_loss(model)
+    loss_fn = models.token_loss(model)
     lead = jax.process_index() == 0
     replicated = NamedSharding(mesh, P())
 

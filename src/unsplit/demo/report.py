@@ -205,66 +205,15 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = result["config"]["steps"]
-    window = max(1, steps // 20)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2), dpi=110)
-    blues = plt.get_cmap("Blues")
-    greens = plt.get_cmap("Greens")
-    reds = ["#d62728", "#ff7f0e", "#9467bd"]
-    rows = []
-    default = [r for r in result["schedules"] if not r["bitwise"]]
-    bitwise = [r for r in result["schedules"] if r["bitwise"]]
-    for i, r in enumerate(default):
-        rows.append((r, blues(0.45 + 0.55 * i / max(1, len(default) - 1)), "-"))
-    for i, r in enumerate(bitwise):
-        rows.append((r, greens(0.45 + 0.55 * i / max(1, len(bitwise) - 1)), "-"))
-    for i, r in enumerate(result["contrast"]):
-        rows.append((r, reds[i % len(reds)], "--"))
-
-    for r, color, style in rows:
-        x = range(1, len(r["losses"]) + 1)
-        left.plot(x, _smooth(r["losses"], window), style, color=color, lw=1.2, label=_label(r))
-    for b in result["baselines"]:
-        x = range(1, len(b["losses"]) + 1)
-        left.plot(x, _smooth(b["losses"], window), ":", color="gray", lw=1.2, label=b["name"])
-    left.set_xlabel("step")
-    left.set_ylabel(f"training loss (nats per token, mean of {window} steps)")
-    left.set_title("Loss: every run looks the same here")
-    left.grid(alpha=0.3)
-    left.legend(fontsize=6.5, loc="upper right")
-
-    nonzero = [d for r, _, _ in rows for _, d in r["divergence"] if d > 0.0]
-    floor = 10 ** (math.floor(math.log10(min(nonzero))) - 2) if nonzero else 1e-9
-    for r, color, style in rows:
-        if r["name"] == r["compared_with"]:
-            continue
-        xs = [s for s, _ in r["divergence"]]
-        ys = [d if d > 0.0 else floor for _, d in r["divergence"]]
-        right.plot(xs, ys, style, color=color, lw=1.4, marker=".", ms=4, label=_label(r))
-    right.axhline(floor, color="green", lw=0.8, ls=":")
-    right.set_yscale("log")
-    top = max([*nonzero, floor * 10])
-    right.set_ylim(floor / 3, top * 5)
-    ticks = [t for t in right.get_yticks() if floor < t <= top * 5]
-    right.set_yticks([floor, *ticks], ["0 (exact)", *[f"1e{round(math.log10(t))}" for t in ticks]])
-    right.text(
-        steps * 0.02,
-        floor * 1.6,
-        "exactly 0: bit-identical to the reference",
-        color="green",
-        fontsize=8,
-    )
-    right.set_xlabel("step")
-    right.set_ylabel("max |parameter difference| vs its reference")
-    right.set_title("Divergence from the one-device reference (log scale)")
-    right.grid(alpha=0.3, which="major")
-    # Between the contrast rows (top) and the default rows (about 1e-6): an empty band.
-    right.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(0.02, 0.56), ncol=2)
+    rows = _styled_rows(result, plt)
+    _plot_losses(left, result, rows)
+    _plot_divergence(right, result, rows)
     cfg = result["config"]
     fig.suptitle(
         f"unsplit demo: {cfg['layers']}-layer transformer (width {cfg['width']}, dropout "
         f"{cfg['dropout']}), batch {cfg['batch_size']} x {cfg['length']} characters of "
-        f"Python's standard library, {steps} Adam steps, seed {cfg['seed']}",
+        f"Python's standard library, {cfg['steps']} Adam steps, seed {cfg['seed']}",
         fontsize=9,
     )
     fig.tight_layout()
@@ -272,13 +221,70 @@ def plot(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _styled_rows(result: dict[str, Any], plt) -> list[tuple[dict, Any, str]]:
+    """``(row, color, line style)``: default mode in blues, bitwise in greens, contrast dashed."""
+    blues, greens = plt.get_cmap("Blues"), plt.get_cmap("Greens")
+    reds = ["#d62728", "#ff7f0e", "#9467bd"]
+    default = [r for r in result["schedules"] if not r["bitwise"]]
+    bitwise = [r for r in result["schedules"] if r["bitwise"]]
+    rows = [
+        (r, blues(0.45 + 0.55 * i / max(1, len(default) - 1)), "-") for i, r in enumerate(default)
+    ]
+    rows += [
+        (r, greens(0.45 + 0.55 * i / max(1, len(bitwise) - 1)), "-") for i, r in enumerate(bitwise)
+    ]
+    rows += [(r, reds[i % len(reds)], "--") for i, r in enumerate(result["contrast"])]
+    return rows
+
+
+def _plot_losses(ax, result: dict[str, Any], rows: list) -> None:
+    window = max(1, result["config"]["steps"] // 20)
+    for r, color, style in rows:
+        x = range(1, len(r["losses"]) + 1)
+        ax.plot(x, _smooth(r["losses"], window), style, color=color, lw=1.2, label=_label(r))
+    for b in result["baselines"]:
+        x = range(1, len(b["losses"]) + 1)
+        ax.plot(x, _smooth(b["losses"], window), ":", color="gray", lw=1.2, label=b["name"])
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (nats per token, mean of {window} steps)")
+    ax.set_title("Loss: every run looks the same here")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5, loc="upper right")
+
+
+def _plot_divergence(ax, result: dict[str, Any], rows: list) -> None:
+    nonzero = [d for r, _, _ in rows for _, d in r["divergence"] if d > 0.0]
+    floor = 10 ** (math.floor(math.log10(min(nonzero))) - 2) if nonzero else 1e-9
+    for r, color, style in rows:
+        if r["name"] == r["compared_with"]:
+            continue
+        xs = [s for s, _ in r["divergence"]]
+        ys = [d if d > 0.0 else floor for _, d in r["divergence"]]
+        ax.plot(xs, ys, style, color=color, lw=1.4, marker=".", ms=4, label=_label(r))
+    ax.axhline(floor, color="green", lw=0.8, ls=":")
+    ax.set_yscale("log")
+    top = max([*nonzero, floor * 10])
+    ax.set_ylim(floor / 3, top * 5)
+    ticks = [t for t in ax.get_yticks() if floor < t <= top * 5]
+    ax.set_yticks([floor, *ticks], ["0 (exact)", *[f"1e{round(math.log10(t))}" for t in ticks]])
+    steps = result["config"]["steps"]
+    ax.text(steps * 0.02, floor * 1.6, "exactly 0: bit-identical to the reference",
+            color="green", fontsize=8)  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("max |parameter difference| vs its reference")
+    ax.set_title("Divergence from the one-device reference (log scale)")
+    ax.grid(alpha=0.3, which="major")
+    # Between the contrast rows (top) and the default rows (about 1e-6): an empty band.
+    ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(0.02, 0.56), ncol=2)
+
+
 def header(config: demo_config.DemoConfig, processes: bool) -> str:
     """What is about to happen and how long it takes."""
     runs = (11 if processes else 8) + 4  # with processes: 2 two-process rows and the elastic row
-    if config == demo_config.DemoConfig():
-        typical = "about 3 minutes on an idle 2-core CPU, up to twice that on a busy one"
-    elif config == demo_config.make(quick=True):
-        typical = "about a minute on an idle 2-core CPU"
+    if config in (demo_config.DemoConfig(), demo_config.make("quick")):
+        typical = "about 2 minutes on an idle 2-core CPU (most of it compiling), more on a busy one"
+    elif config == demo_config.make("long"):
+        typical = "about 8 minutes on an idle 2-core CPU"
     else:
         typical = "it depends on the settings"
     return (

@@ -12,6 +12,7 @@ parameters are compared with the bitwise reference's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 
 import unsplit
-from unsplit._src.processes import launch
+from unsplit import testing
 from unsplit.demo import elastic
 from unsplit.demo import train as dt
 
@@ -61,72 +62,79 @@ def run_elastic(
     """Trains, kills and resumes the run; returns it and ``{"killed_after", "resumed_from"}``.
 
     Raises:
-        unsplit._src.processes.launch.LaunchError: a phase failed other than by the planned kill.
+        unsplit.testing.LaunchError: a phase failed other than by the planned kill.
     """
     save_every, kill_after = plan(config.steps)
     with tempfile.TemporaryDirectory(prefix="unsplit-elastic-") as tmp:
         kwargs = {"config": dataclasses.asdict(config), "folder": tmp, "save_every": save_every}
-        stop = threading.Event()
-
-        def poll():
-            while not stop.wait(0.25):
-                done = _read_int(os.path.join(tmp, "progress"))
-                if done is not None:
-                    on_progress(done)
-
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
-        try:
-            try:
-                launch.run_local_processes(
-                    "unsplit.demo.resume:worker",
-                    num_processes=FIRST["processes"],
-                    devices_per_process=FIRST["devices"],
-                    kwargs={
-                        **kwargs,
-                        "microbatches": FIRST["microbatches"],
-                        "kill_after": kill_after,
-                    },
-                    timeout_s=timeout_s,
-                )
-                raise launch.LaunchError("the first phase finished instead of being killed")
-            except launch.LaunchError as e:
-                if _read_int(os.path.join(tmp, "killed")) != kill_after:
-                    raise
-                del e  # the planned SIGKILL
-            results = launch.run_local_processes(
+        with _relay_progress(os.path.join(tmp, "progress"), on_progress):
+            _first_phase(kwargs, kill_after, timeout_s)
+            (timing, *_) = testing.run_local_processes(
                 "unsplit.demo.resume:worker",
                 num_processes=SECOND["processes"],
                 devices_per_process=SECOND["devices"],
                 kwargs={**kwargs, "microbatches": SECOND["microbatches"], "kill_after": None},
                 timeout_s=timeout_s,
             )
-        finally:
-            stop.set()
-            poller.join()
-        losses = {}
-        with open(os.path.join(tmp, "losses")) as f:
-            for line in f:  # the steps redone after the resume come later and win
-                step, loss = line.split()
-                losses[int(step)] = float(loss)
-        snapshots = {}
-        for step in config.snapshot_steps():
-            with np.load(os.path.join(tmp, f"snapshot{step}.npz")) as leaves:
-                snapshots[step] = [leaves[f"l{i}"] for i in range(len(leaves.files))]
-        timing = results[0]
-    run = dt.Run(
-        np.array([losses[s] for s in range(1, config.steps + 1)]),
-        snapshots,
-        timing["step_time_s"],
-        timing["wall_s"],
-    )
-    return run, {"killed_after": kill_after, "resumed_from": results[0]["resumed_from"]}
+        losses, snapshots = _read_run(tmp, config)
+    run = dt.Run(losses, snapshots, timing["step_time_s"], timing["wall_s"])
+    return run, {"killed_after": kill_after, "resumed_from": timing["resumed_from"]}
+
+
+@contextlib.contextmanager
+def _relay_progress(path: str, on_progress: Callable[[int], None]):
+    """While inside, a helper thread passes the step the workers write to ``path`` on."""
+    stop = threading.Event()
+
+    def poll():
+        while not stop.wait(0.25):
+            done = _read_int(path)
+            if done is not None:
+                on_progress(done)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        poller.join()
+
+
+def _first_phase(kwargs: dict, kill_after: int, timeout_s: float) -> None:
+    """The first topology, SIGKILLed after step ``kill_after`` (the planned failure)."""
+    try:
+        testing.run_local_processes(
+            "unsplit.demo.resume:worker",
+            num_processes=FIRST["processes"],
+            devices_per_process=FIRST["devices"],
+            kwargs={**kwargs, "microbatches": FIRST["microbatches"], "kill_after": kill_after},
+            timeout_s=timeout_s,
+        )
+        raise testing.LaunchError("the first phase finished instead of being killed")
+    except testing.LaunchError:
+        if _read_int(os.path.join(kwargs["folder"], "killed")) != kill_after:
+            raise  # anything but the planned SIGKILL
+
+
+def _read_run(folder: str, config: dt.DemoConfig) -> tuple[np.ndarray, dict]:
+    """The losses of both phases (a step redone after the resume wins) and the snapshots."""
+    losses = {}
+    with open(os.path.join(folder, "losses")) as f:
+        for line in f:  # the steps redone after the resume come later and win
+            step, loss = line.split()
+            losses[int(step)] = float(loss)
+    snapshots = {}
+    for step in config.snapshot_steps():
+        with np.load(os.path.join(folder, f"snapshot{step}.npz")) as leaves:
+            snapshots[step] = [leaves[f"l{i}"] for i in range(len(leaves.files))]
+    return np.array([losses[s] for s in range(1, config.steps + 1)]), snapshots
 
 
 def worker(
     config: dict, folder: str, save_every: int, microbatches: int, kill_after: int | None
 ) -> dict:
-    """One process of either phase (run by ``launch.run_local_processes``; not for direct use)."""
+    """One process of either phase (run by ``unsplit.testing.run_local_processes``; not for direct use)."""
     import time
 
     cfg = dt.DemoConfig(**config)

@@ -25,8 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from unsplit._src.models import transformer as tf
-from unsplit._src.processes import launch
+from unsplit import models, testing
 from unsplit.demo import data as demo_data
 from unsplit.demo import processes as demo_processes
 from unsplit.demo import progress as demo_progress
@@ -57,19 +56,18 @@ def schedules(bitwise: bool) -> list[Schedule]:
     b = bitwise
     x = ", bitwise" if b else ""
     # cost / compiles: measured on a 2-core CPU at the default settings, relative to the
-    # reference's step and compile. Bitwise mode compiles its chunk program once per
-    # device (a setup of about 8 s on 2 cores, whatever the model); the process rows
-    # include starting the processes.
+    # reference's step and first step (its compiles). Bitwise mode compiles its chunk
+    # program once per device (8 programs for the 8-device row; the later rows reuse
+    # them); the process rows include starting the processes.
     return [
-        Schedule(f"reference{x}", 1, 1, bitwise=b, cost=2.2 if b else 1, compiles=0.6 if b else 1),
-        Schedule(f"8 devices{x}", 8, 1, bitwise=b, cost=3.1 if b else 3.2, compiles=0.8 if b else 1.2,
-                 fixed_s=8.0 if b else 0.0),
-        Schedule(f"1 device x 8 microbatches{x}", 1, 8, bitwise=b, cost=2.3 if b else 1.7,
-                 compiles=0.1 if b else 0.7),
-        Schedule(f"2 devices x 4 microbatches{x}", 2, 4, bitwise=b, cost=1.7 if b else 2.1,
-                 compiles=0.2 if b else 0.7),
+        Schedule(f"reference{x}", 1, 1, bitwise=b, cost=4.6 if b else 1, compiles=1.0),
+        Schedule(f"8 devices{x}", 8, 1, bitwise=b, cost=7 if b else 15, compiles=7 if b else 0.9),
+        Schedule(f"1 device x 8 microbatches{x}", 1, 8, bitwise=b, cost=3 if b else 2,
+                 compiles=0.1 if b else 0.8),
+        Schedule(f"2 devices x 4 microbatches{x}", 2, 4, bitwise=b, cost=4.5 if b else 22,
+                 compiles=0.3 if b else 1.1),
         Schedule(f"2 processes x 2 devices x 2 microbatches{x}", 4, 2, processes=2, bitwise=b,
-                 cost=6.2 if b else 8.2, compiles=1.0, fixed_s=7.0 if b else 5.0),
+                 cost=3 if b else 22, compiles=2.7 if b else 4.0),
     ]  # fmt: skip
 
 
@@ -87,21 +85,20 @@ class Contrast:
 
 
 BASELINE = "flax baseline"  # flax's batch-level dropout, the whole batch on 1 device
-_BASELINE_COST = (0.9, 0.6, 0.0)
-_ELASTIC_COST = (6.5, 2.0, 14.0)  # two launches (1 then 2 processes), both compile
+BASELINE_COST = (1.8, 0.7, 0.0)
+ELASTIC_COST = (17.0, 6.0, 0.0)  # two launches (1 then 2 processes), both compile
+CALIBRATE_AT = 11  # the reference's step 1 (compile) to this step times the estimate
 CONTRASTS = (
-    Contrast("per-device keys (shard_prng_key), 8 devices", "per_device_keys", 8, 1, BASELINE, 2.5, 0.6),
-    Contrast("same key every microbatch (T5X), 1 x 8", "same_key_microbatches", 1, 8, BASELINE, 1.0, 1.0),
-    Contrast("optax.MultiSteps mean of means, 1 x 8", "multisteps", 1, 8, "reference", 2.4, 2.2),
+    Contrast("per-device keys (shard_prng_key), 8 devices", "per_device_keys", 8, 1, BASELINE, 22, 0.9),
+    Contrast("same key every microbatch (T5X), 1 x 8", "same_key_microbatches", 1, 8, BASELINE, 1.3, 1.0),
+    Contrast("optax.MultiSteps mean of means, 1 x 8", "multisteps", 1, 8, "reference", 2.2, 0.7),
 )  # fmt: skip
 
 
-def bitwise_unavailable(config: dt.DemoConfig) -> str | None:
+def bitwise_unavailable(config: dt.DemoConfig, loss_fn: Callable) -> str | None:
     """None if ``bitwise=True`` works in this install, else the reason it does not."""
     try:
-        dt.unsplit_step(
-            config, tf.token_loss(config.model()), devices=1, microbatches=1, bitwise=True
-        )
+        dt.unsplit_step(config, loss_fn, devices=1, microbatches=1, bitwise=True)
     except NotImplementedError as e:
         return str(e)
     return None
@@ -170,193 +167,272 @@ def run(
         explains every field.
     """
     config.check()
-    started = time.perf_counter()
-    data = demo_data.Dataset(config.batch_size, config.length, config.seed)
-    model, params, opt = dt.initial_state(config)
-    apply = dt.apply_fn(opt)
-    loss_fn = tf.token_loss(model)
-    reason = bitwise_unavailable(config)
+    trainer = Trainer(config, say, bar, started=time.perf_counter())
+    plan = make_plan(config, processes, bitwise_unavailable(config, trainer.loss_fn))
+    if plan.reason:
+        say(f"[bold yellow]Skipping the bitwise rows:[/] {plan.reason}")
+    trainer.todo = plan.costs()
+    trainer.progress.plan(trainer.todo)
+    train_local(trainer, plan)
+    train_processes(trainer, plan, timeout_s)
+    elastic_info = train_elastic(trainer, plan, timeout_s)
+    trainer.progress.advance(trainer.progress.total)
+    return results(trainer, plan, elastic_info)
+
+
+@dataclasses.dataclass
+class Plan:
+    """Which rows run: the local and 2-process schedules, the elastic row, and what is skipped."""
+
+    reason: str | None  # why bitwise mode is unavailable (None: it is available)
+    local: list[Schedule]
+    remote: list[Schedule]
+    elastic: bool
+    skipped: list[dict[str, str]]
+
+    @property
+    def bitwise(self) -> bool:
+        return self.reason is None
+
+    def costs(self) -> list[tuple[float, float, float]]:
+        """``(step cost, compiles, fixed s)`` of every run, in the order they run."""
+        todo = [(s.cost, s.compiles, s.fixed_s) for s in self.local]
+        todo += [BASELINE_COST] + [(c.cost, c.compiles, 0.0) for c in CONTRASTS]
+        todo += [(s.cost, s.compiles, s.fixed_s) for s in self.remote]
+        return [*todo, ELASTIC_COST] if self.elastic else todo
+
+
+def make_plan(config: dt.DemoConfig, processes: bool, reason: str | None) -> Plan:
+    """The rows to run given ``--no-processes`` and ``reason`` (bitwise mode unavailable)."""
     modes = [False] if reason else [False, True]
     everything = [s for b in (False, True) for s in schedules(b)]
-    plan = [s for s in everything if s.bitwise in modes and (processes or s.processes == 1)]
+    chosen = [s for s in everything if s.bitwise in modes and (processes or s.processes == 1)]
     skipped = [
         {"name": s.name, "reason": reason if s.bitwise not in modes else "--no-processes"}
         for s in everything
-        if s not in plan
+        if s not in chosen
     ]
-    if reason:
-        say(f"[bold yellow]Skipping the bitwise rows:[/] {reason}")
-    local = [s for s in plan if s.processes == 1]
-    remote = [s for s in plan if s.processes > 1]
-
-    progress = demo_progress.Progress(config.steps, bar)
-    todo = [(s.cost, s.compiles, s.fixed_s) for s in local]
-    todo += [_BASELINE_COST] + [(c.cost, c.compiles, 0.0) for c in CONTRASTS]
-    todo += [(s.cost, s.compiles, s.fixed_s) for s in remote]
-    elastic_row = True in modes and processes
-    if elastic_row:
-        todo.append(_ELASTIC_COST)
-    else:
+    elastic = reason is None and processes
+    if not elastic:
         skipped.append(
             {"name": demo_resume.name(config.steps), "reason": reason or "--no-processes"}
         )
-    progress.plan(todo)
-    runs: dict[str, dt.Run] = {}
+    return Plan(
+        reason=reason,
+        local=[s for s in chosen if s.processes == 1],
+        remote=[s for s in chosen if s.processes > 1],
+        elastic=elastic,
+        skipped=skipped,
+    )
 
-    def one(name: str, cost: float, compiles: float, fixed_s: float, update, init) -> None:
-        progress.label(name)
-        todo.pop(0)
-        t0 = time.perf_counter()
-        marks = {}
+
+class Trainer:
+    """The shared state of every local run: data, model, initial params, progress, results."""
+
+    def __init__(self, config: dt.DemoConfig, say: Callable[[str], None], bar: Any, started: float):
+        self.config, self.say, self.started = config, say, started
+        self.data = demo_data.Dataset(config.batch_size, config.length, config.seed)
+        self.model, self.params, self.opt = dt.initial_state(config)
+        self.apply = dt.apply_fn(self.opt)
+        self.loss_fn = models.token_loss(self.model)  # one object: bitwise compiles once
+        self.progress = demo_progress.Progress(config.steps, bar)
+        self.todo: list[tuple[float, float, float]] = []
+        self.runs: dict[str, dt.Run] = {}
+
+    def train(self, name: str, cost: tuple[float, float, float], update, init) -> None:
+        """Trains row ``name`` in this process, moving the bar by its estimated ``cost``."""
+        self.progress.label(name)
+        self.todo.pop(0)
+        on_step = self._on_step(name, *cost, began=time.perf_counter())
+        self.runs[name] = dt.train(
+            self.config, update, self.params, init(self.params), self.data, on_step=on_step
+        )
+
+    def _on_step(self, name: str, cost: float, compiles: float, fixed_s: float, began: float):
+        progress, marks = self.progress, {}
 
         def on_step(step: int) -> None:
-            progress.advance(
-                cost * progress.step_s
-                + (compiles * progress.compile_s + fixed_s if step == 1 else 0)
-            )
-            if name == "reference" and step in (1, 11):
+            first = compiles * progress.compile_s + fixed_s if step == 1 else 0.0
+            progress.advance(cost * progress.step_s + first)
+            if name == "reference" and step in (1, CALIBRATE_AT):
                 marks[step] = time.perf_counter()
-                if step == 11:
-                    progress.step_s = (marks[11] - marks[1]) / 10
-                    progress.compile_s = marks[1] - t0
-                    left = (config.steps - 11) * progress.step_s + progress.plan(todo)
-                    total = marks[11] - started + left
-                    say(
-                        f"Estimated time on this machine: about {demo_progress.duration(total)} in all."
-                    )
+                if step == CALIBRATE_AT:
+                    self._calibrate(marks[1] - began, marks[CALIBRATE_AT] - marks[1])
 
-        runs[name] = dt.train(config, update, params, init(params), data, on_step=on_step)
+        return on_step
 
-    for s in local:
+    def _calibrate(self, compile_s: float, steps_s: float) -> None:
+        """Refines the estimate from the reference's first compile and steps; says the total."""
+        progress = self.progress
+        progress.step_s = steps_s / (CALIBRATE_AT - 1)
+        progress.compile_s = compile_s
+        left = (self.config.steps - CALIBRATE_AT) * progress.step_s + progress.plan(self.todo)
+        total = time.perf_counter() - self.started + left
+        self.say(f"Estimated time on this machine: about {demo_progress.duration(total)} in all.")
+
+    def follow(self, costs: list[tuple[float, float, float]]):
+        """A callback ``(index, step)`` moving the bar through runs of ``costs`` done elsewhere."""
+        progress, seen = self.progress, {"s": 0.0}
+
+        def seconds(cost: tuple[float, float, float], steps: int) -> float:
+            step_cost, compiles, fixed_s = cost
+            return compiles * progress.compile_s + fixed_s + steps * step_cost * progress.step_s
+
+        def on_progress(index: int, step: int) -> None:
+            now = sum(seconds(c, self.config.steps) for c in costs[:index])
+            now += seconds(costs[index], step)
+            progress.advance(max(0.0, now - seen["s"]))
+            seen["s"] = max(seen["s"], now)
+
+        return on_progress
+
+
+def train_local(trainer: Trainer, plan: Plan) -> None:
+    """The schedules of this process, the flax baseline and the contrast rows."""
+    config, model, opt = trainer.config, trainer.model, trainer.opt
+    for s in plan.local:
         step = dt.unsplit_step(
-            config, loss_fn, devices=s.devices, microbatches=s.microbatches, bitwise=s.bitwise
+            config,
+            trainer.loss_fn,
+            devices=s.devices,
+            microbatches=s.microbatches,
+            bitwise=s.bitwise,
         )
-        one(s.name, s.cost, s.compiles, s.fixed_s, dt.unsplit_update(step, apply), opt.init)
-    one(BASELINE, *_BASELINE_COST, dt.flax_update(model, opt, "one_device"), opt.init)
+        update = dt.unsplit_update(step, trainer.apply)
+        trainer.train(s.name, (s.cost, s.compiles, s.fixed_s), update, opt.init)
+    trainer.train(BASELINE, BASELINE_COST, dt.flax_update(model, opt, "one_device"), opt.init)
     for c in CONTRASTS:
         if c.scheme == "multisteps":
             update, init = dt.multisteps_update(model, opt, c.microbatches)
         else:
             update, init = dt.flax_update(model, opt, c.scheme), opt.init
-        one(c.name, c.cost, c.compiles, 0.0, update, init)
+        trainer.train(c.name, (c.cost, c.compiles, 0.0), update, init)
 
-    if remote:
-        progress.label(remote[0].name + " (starting 2 processes)")
-        seen = {"units": 0.0}
-        start_s = remote[0].compiles * progress.compile_s + remote[0].fixed_s
 
-        def on_progress(mode: int, step: int) -> None:
-            progress.label(remote[mode].name)
-            before = sum(s.cost for s in remote[:mode]) * config.steps
-            now = start_s + (before + step * remote[mode].cost) * progress.step_s
-            progress.advance(max(0.0, now - seen["units"]))
-            seen["units"] = max(seen["units"], now)
+def train_processes(trainer: Trainer, plan: Plan, timeout_s: float) -> None:
+    """The 2-process rows (one launch of 2 processes); on failure, noted and left out."""
+    remote = plan.remote
+    if not remote:
+        return
+    trainer.progress.label(remote[0].name + " (starting 2 processes)")
+    follow = trainer.follow([(s.cost, s.compiles, s.fixed_s) for s in remote])
 
-        try:
-            got = demo_processes.run_processes(
-                config, [s.bitwise for s in remote], on_progress, timeout_s
-            )
-            runs.update({s.name: r for s, r in zip(remote, got, strict=True)})
-        except launch.LaunchError as e:
-            say(f"[bold red]The 2-process rows failed and are left out:[/] {e}")
-            skipped += [{"name": s.name, "reason": f"launch failed: {e}"} for s in remote]
-            remote = []
-    elastic_info = None
-    if elastic_row:
-        label = demo_resume.name(config.steps)
-        progress.label(label)
-        cost, compiles, fixed_s = _ELASTIC_COST
-        seen = {"units": 0.0}
+    def on_progress(index: int, step: int) -> None:
+        trainer.progress.label(remote[index].name)
+        follow(index, step)
 
-        def on_elastic(step: int) -> None:
-            now = compiles * progress.compile_s + fixed_s + step * cost * progress.step_s
-            progress.advance(max(0.0, now - seen["units"]))
-            seen["units"] = max(seen["units"], now)
+    try:
+        got = demo_processes.run_processes(
+            trainer.config, [s.bitwise for s in remote], on_progress, timeout_s
+        )
+    except testing.LaunchError as e:
+        trainer.say(f"[bold red]The 2-process rows failed and are left out:[/] {e}")
+        plan.skipped += [{"name": s.name, "reason": f"launch failed: {e}"} for s in remote]
+        plan.remote = []
+        return
+    trainer.runs.update({s.name: r for s, r in zip(remote, got, strict=True)})
 
-        try:
-            runs[label], elastic_info = demo_resume.run_elastic(config, on_elastic, timeout_s)
-        except launch.LaunchError as e:
-            say(f"[bold red]The elastic row failed and is left out:[/] {e}")
-            skipped.append({"name": label, "reason": f"launch failed: {e}"})
-    progress.advance(progress.total)
 
-    inert = inert_leaves(params)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    skip = {i for i, p in enumerate(paths) if p in inert}
+def train_elastic(trainer: Trainer, plan: Plan, timeout_s: float) -> dict | None:
+    """The elastic row: ``{"killed_after", "resumed_from"}``, or None if it did not run."""
+    if not plan.elastic:
+        return None
+    label = demo_resume.name(trainer.config.steps)
+    trainer.progress.label(label)
+    follow = trainer.follow([ELASTIC_COST])
+    try:
+        trainer.runs[label], info = demo_resume.run_elastic(
+            trainer.config, lambda step: follow(0, step), timeout_s
+        )
+    except testing.LaunchError as e:
+        trainer.say(f"[bold red]The elastic row failed and is left out:[/] {e}")
+        plan.skipped.append({"name": label, "reason": f"launch failed: {e}"})
+        plan.elastic = False
+        return None
+    return info
+
+
+def results(trainer: Trainer, plan: Plan, elastic_info: dict | None) -> dict[str, Any]:
+    """The JSON-ready result of every run (see ``docs/demo.md``)."""
+    runs = trainer.runs
+    inert = inert_leaves(trainer.params)
+    flat = jax.tree_util.tree_flatten_with_path(trainer.params)[0]
+    skip = {i for i, (p, _) in enumerate(flat) if jax.tree_util.keystr(p) in inert}
 
     def row(name: str, against: str, **fields) -> dict[str, Any]:
-        r = runs[name]
-        curve, all_diff, same = compare(r.snapshots, runs[against].snapshots, skip)
-        return {
-            "name": name,
-            **fields,
-            "final_loss": float(r.losses[-1]),
-            "max_abs_param_diff": curve[-1][1],
-            "max_abs_param_diff_all": all_diff,
-            "bit_identical": same,
-            "step_time_s": r.step_time_s,
-            "wall_s": r.wall_s,
-            "compared_with": against,
-            "losses": r.losses.tolist(),
-            "divergence": curve,
-        }
+        return result_row(name, runs[name], runs[against], against, skip, **fields)
 
-    rows = [
-        row(
-            s.name,
-            s.reference,
-            devices=s.devices,
-            processes=s.processes,
-            microbatches=s.microbatches,
-            bitwise=s.bitwise,
-        )
-        for s in plan
-        if s.processes == 1 or s in remote
-    ]
-    if elastic_info is not None:
-        rows.append(
-            row(
-                demo_resume.name(config.steps),
-                "reference, bitwise",
-                devices=demo_resume.SECOND["devices"] * demo_resume.SECOND["processes"],
-                processes=demo_resume.SECOND["processes"],
-                microbatches=demo_resume.SECOND["microbatches"],
-                bitwise=True,
-                **elastic_info,
-            )
-        )
-    contrast = [
-        row(
-            c.name, c.compared_with, scheme=c.scheme, devices=c.devices, microbatches=c.microbatches
-        )
-        for c in CONTRASTS
-    ]
-    base = runs[BASELINE]
     result = {
-        "config": dataclasses.asdict(config),
+        "config": dataclasses.asdict(trainer.config),
         "environment": _environment(),
-        "schedules": rows,
-        "contrast": contrast,
-        "baselines": [
-            {
-                "name": BASELINE,
-                "scheme": "one_device",
-                "final_loss": float(base.losses[-1]),
-                "step_time_s": base.step_time_s,
-                "wall_s": base.wall_s,
-                "losses": base.losses.tolist(),
-            }
-        ],
-        "skipped": skipped,
+        "schedules": schedule_rows(row, plan, elastic_info, trainer.config.steps),
+        "contrast": [contrast_row(row, c) for c in CONTRASTS],
+        "baselines": [baseline_row(runs[BASELINE])],
+        "skipped": plan.skipped,
         "inert_params": inert,
     }
-    if True in modes:
+    if plan.bitwise:
         curve, _, _ = compare(
             runs["reference, bitwise"].snapshots, runs["reference"].snapshots, skip
         )
         result["default_vs_bitwise_reference_max_abs_param_diff"] = curve[-1][1]
-    result["elapsed_s"] = time.perf_counter() - started
+    result["elapsed_s"] = time.perf_counter() - trainer.started
     return result
+
+
+def contrast_row(row: Callable, c: Contrast) -> dict[str, Any]:
+    return row(
+        c.name, c.compared_with, scheme=c.scheme, devices=c.devices, microbatches=c.microbatches
+    )
+
+
+def schedule_rows(row: Callable, plan: Plan, elastic_info: dict | None, steps: int) -> list[dict]:
+    """The schedules' rows, default mode first, then bitwise mode and the elastic row."""
+    rows = [
+        row(s.name, s.reference, devices=s.devices, processes=s.processes,
+            microbatches=s.microbatches, bitwise=s.bitwise)
+        for s in [*plan.local, *plan.remote]
+    ]  # fmt: skip
+    rows.sort(key=lambda r: r["bitwise"])  # stable: in the order of schedules()
+    if elastic_info is not None:
+        second = demo_resume.SECOND
+        rows.append(
+            row(demo_resume.name(steps), "reference, bitwise",
+                devices=second["devices"] * second["processes"], processes=second["processes"],
+                microbatches=second["microbatches"], bitwise=True, **elastic_info)
+        )  # fmt: skip
+    return rows
+
+
+def result_row(
+    name: str, r: dt.Run, reference: dt.Run, against: str, skip: set[int], **fields
+) -> dict[str, Any]:
+    """One row of the table and the JSON: ``r`` compared with the run named ``against``."""
+    curve, all_diff, same = compare(r.snapshots, reference.snapshots, skip)
+    return {
+        "name": name,
+        **fields,
+        "final_loss": float(r.losses[-1]),
+        "max_abs_param_diff": curve[-1][1],
+        "max_abs_param_diff_all": all_diff,
+        "bit_identical": same,
+        "step_time_s": r.step_time_s,
+        "wall_s": r.wall_s,
+        "compared_with": against,
+        "losses": r.losses.tolist(),
+        "divergence": curve,
+    }
+
+
+def baseline_row(base: dt.Run) -> dict[str, Any]:
+    return {
+        "name": BASELINE,
+        "scheme": "one_device",
+        "final_loss": float(base.losses[-1]),
+        "step_time_s": base.step_time_s,
+        "wall_s": base.wall_s,
+        "losses": base.losses.tolist(),
+    }
 
 
 def _environment() -> dict[str, Any]:

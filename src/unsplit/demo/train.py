@@ -189,7 +189,27 @@ def flax_update(model, opt, scheme: str, shares: int = 8) -> Update:
         shares: devices or microbatches.
     """
     loss = batch_loss(models.with_flax_dropout(model))  # the usual way: Flax's own layers
-    grad = jax.value_and_grad(loss, has_aux=True)
+    sums = scheme_sums(jax.value_and_grad(loss, has_aux=True), scheme, shares)
+
+    @jax.jit
+    def jitted(params, state, batch, key):
+        ls, w, g = sums(params, batch, key)
+        grads = jax.tree.map(lambda x: x / w, g)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, ls / w
+
+    def update(params, state, batch_ids, key):
+        return jitted(params, state, batch_ids[0], key)  # batch-level draws ignore the ids
+
+    return update
+
+
+def scheme_sums(grad, scheme: str, shares: int):
+    """``sums(params, batch, key) -> (loss sum, token count, grad sums)`` of ``scheme``.
+
+    ``grad`` is ``jax.value_and_grad`` of :func:`batch_loss` (``has_aux``); see
+    :func:`flax_update` for the schemes.
+    """
 
     def sums_one_device(params, batch, key):
         (ls, w), g = grad(params, batch, key)
@@ -221,28 +241,15 @@ def flax_update(model, opt, scheme: str, shares: int = 8) -> Update:
                 shard, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
             )(params, batch, keys)
 
-        sums = sums_per_device
-    elif scheme == "same_key_microbatches":
-        sums = sums_same_key
-    elif scheme == "one_device":
-        sums = sums_one_device
-    else:
-        raise ValueError(
-            f"unknown scheme {scheme!r}; expected 'one_device', 'per_device_keys' or "
-            "'same_key_microbatches'."
-        )
-
-    @jax.jit
-    def jitted(params, state, batch, key):
-        ls, w, g = sums(params, batch, key)
-        grads = jax.tree.map(lambda x: x / w, g)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, ls / w
-
-    def update(params, state, batch_ids, key):
-        return jitted(params, state, batch_ids[0], key)  # batch-level draws ignore the ids
-
-    return update
+        return sums_per_device
+    if scheme == "same_key_microbatches":
+        return sums_same_key
+    if scheme == "one_device":
+        return sums_one_device
+    raise ValueError(
+        f"unknown scheme {scheme!r}; expected 'one_device', 'per_device_keys' or "
+        "'same_key_microbatches'."
+    )
 
 
 def multisteps_update(model, opt, microbatches: int = 8) -> tuple[Update, Callable]:

@@ -1,4 +1,11 @@
-"""The demo's settings and the naive schemes' building blocks."""
+"""The demo's settings, the naive schemes' building blocks, and their audit.
+
+The audit tests build the rows from ``unsplit.demo.train`` exactly as the demo
+builds them (its quick settings) and check each contrast row's problem, and
+that the unsplit rows' loss and steps are clean; nothing is trained.
+"""
+
+import inspect
 
 import flax.linen as nn
 import jax
@@ -6,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import unsplit
+from unsplit import models
 from unsplit.demo import config as demo_config
-from unsplit.demo import run as demo
+from unsplit.demo import data as demo_data
 from unsplit.demo import train as dt
 
 
@@ -25,7 +34,7 @@ def test_check_lists_every_problem_with_the_fix():
 
 
 def test_unknown_scheme_is_refused():
-    config = demo_config.make(quick=True)
+    config = demo_config.make("quick")
     model, _, opt = dt.initial_state(config)
     with pytest.raises(ValueError, match="unknown scheme"):
         dt.flax_update(model, opt, "per_example")
@@ -43,15 +52,114 @@ def test_same_key_microbatches_get_identical_masks():
     assert not np.array_equal(whole[:2], whole[2:])
 
 
-def test_inert_leaves_are_the_key_biases_and_compare_skips_them():
-    config = demo_config.make(quick=True, layers=2)
-    _, params, _ = dt.initial_state(config)
-    inert = demo.inert_leaves(params)
-    assert len(inert) == 2 and all(p.endswith("['key']['bias']") for p in inert)
-    leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
-    moved = [x.copy() for x in leaves]
-    moved[0] = moved[0] + np.float32(0.5)
-    curve, everything, same = demo.compare({1: moved}, {1: leaves}, skip={0})
-    assert curve == [[1, 0.0]] and everything == 0.5 and not same
-    curve, _, same = demo.compare({1: leaves}, {1: leaves})
-    assert curve == [[1, 0.0]] and same
+# ---- the audit of the demo's rows ----
+
+CONFIG = demo_config.make("quick")
+
+
+@pytest.fixture(autouse=True)
+def standard_promotion():
+    with jax.numpy_dtype_promotion("standard"):  # the demo's optax code mixes int and float
+        yield
+
+
+@pytest.fixture(scope="module")
+def demo():
+    model, params, opt = dt.initial_state(CONFIG)
+    data = demo_data.Dataset(CONFIG.batch_size, CONFIG.length, CONFIG.seed)
+    return model, params, opt, data, jax.random.key(0)
+
+
+def _update_input(data):
+    """What the demo's training loop gives an update: ``(rows, ids)`` where the data has ids."""
+    return data.step(0) if hasattr(data, "step") else data.batch(0)
+
+
+def _kinds(findings):
+    return sorted({f.kind for f in findings})
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kinds"),
+    [
+        ("one_device", ["batch_draw"]),  # batch-level dropout: noise follows the position
+        ("per_device_keys", ["batch_draw", "device_key"]),  # shard_prng_key, and per-device draws
+        ("same_key_microbatches", ["batch_draw"]),  # T5X: one key for every microbatch
+    ],
+)
+def test_flax_contrast_rows(demo, scheme, kinds):
+    model, params, opt, data, key = demo
+    update = dt.flax_update(model, opt, scheme)
+    findings = unsplit.audit_step(update, params, opt.init(params), _update_input(data), key)
+    assert _kinds(findings) == kinds
+    if scheme == "same_key_microbatches":
+        assert "the key is the same at every iteration" in findings[0].message
+    if scheme == "per_device_keys":
+        (device,) = [f for f in findings if f.kind == "device_key"]
+        assert device.file == dt.__file__ and "shard_map" in device.message
+        assert device.line in _lines_of(dt.scheme_sums)
+
+
+def test_multisteps_row_is_a_mean_of_means(demo):
+    model, params, opt, data, key = demo
+    update, init = dt.multisteps_update(model, opt, 8)
+    (finding,) = unsplit.audit_step(update, params, init(params), _update_input(data), key)
+    assert finding.kind == "mean_of_means" and "MultiSteps" in finding.message
+    assert finding.file == dt.__file__
+    assert finding.line in _lines_of(dt.multisteps_update)
+
+
+def test_unsplit_steps_of_the_demo_are_clean(demo):
+    model, params, _, data, key = demo
+    batch = data.batch(0)
+    loss_fn = models.token_loss(model)
+    for devices, microbatches in [(1, 1), (2, 4)]:
+        step = dt.unsplit_step(
+            CONFIG, loss_fn, devices=devices, microbatches=microbatches, bitwise=False
+        )
+        assert unsplit.audit_step(step, params, batch, key) == []
+
+
+def test_unsplit_loss_finds_only_flax_attention_dropout(demo):
+    model, params, _, data, key = demo
+    batch = data.batch(0)
+    findings = unsplit.audit(models.token_loss(model), params, batch, key, weighted=True)
+    if _attention_fns(model, params, batch) == {nn.dot_product_attention}:
+        # Flax's attention draws its (heads, L, L) dropout mask at once: padding-unstable.
+        assert [(f.kind, f.file, f.line) for f in findings] == [
+            ("padding_unstable", _model_file(), _attention_line())
+        ]
+    else:  # the demo uses unsplit's padding-stable attention: nothing left to find
+        assert findings == []
+
+
+def _attention_fns(model, params, batch):
+    """The ``attention_fn`` of every attention module the model applies."""
+    fns = set()
+
+    def record(next_fun, args, kwargs, context):
+        if isinstance(context.module, nn.MultiHeadDotProductAttention):
+            fns.add(context.module.attention_fn)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        model.apply({"params": params}, batch["inputs"][0], train=False)
+    assert fns, "the demo model has no attention module"
+    return fns
+
+
+def _attention_line():
+    """The line of the test model that calls the attention module."""
+    lines = inspect.getsource(inspect.getmodule(models.Transformer)).splitlines()
+    matches = [i + 1 for i, text in enumerate(lines) if "MultiHeadDotProductAttention(" in text]
+    assert len(matches) == 1, f"expected one attention module in the model, got lines {matches}"
+    return matches[0]
+
+
+def _lines_of(fn):
+    source, start = inspect.getsourcelines(fn)
+    return range(start, start + len(source))
+
+
+def _model_file():
+    return inspect.getsourcefile(models.Transformer)
