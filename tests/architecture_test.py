@@ -21,7 +21,7 @@ FLOORS = (
     ("audit", {"audit"}),
     ("step", {"step"}),
     ("bitwise", {"bitwise"}),
-    ("front", {"value_and_grad", "train_step"}),
+    ("front", {"value_and_grad", "canonical_update", "train_step"}),
     ("integrations", {"dropout", "elastic", "models"}),
 )
 APPLICATIONS = ("src/unsplit/demo", "benchmarks", "examples", "tests")

@@ -23,8 +23,8 @@ from unsplit import testing as testing
 from unsplit._src.audit.api import audit as audit
 from unsplit._src.audit.api import audit_step as audit_step
 from unsplit._src.audit.finding import AuditError as AuditError
-from unsplit._src.audit.finding import PaddingWarning as PaddingWarning
 from unsplit._src.audit.finding import Finding as Finding
+from unsplit._src.audit.finding import PaddingWarning as PaddingWarning
 from unsplit._src.dropout.functional import dropout as dropout
 from unsplit._src.keys import Ids64 as Ids64
 from unsplit._src.keys import example_keys as example_keys

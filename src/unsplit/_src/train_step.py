@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import optax
 
+from unsplit._src.canonical_update import CanonicalUpdate
 from unsplit._src.step import validate
 from unsplit._src.value_and_grad import Step
 
@@ -113,11 +114,16 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
             optimizer, jax.jit(fused, donate_argnums=(0, 1)), jax.jit(fused_state, donate_argnums=0)
         )
 
+    # Bitwise: the update too is one program on whole arrays, whatever the schedule.
     bitwise = _BitwiseTrain(step)
+    mesh = step.engine.layout.mesh
     return _Train(
         optimizer,
-        functools.partial(bitwise, jax.jit(update, donate_argnums=(0, 1))),
-        functools.partial(bitwise.with_state, jax.jit(update_state, donate_argnums=0)),
+        functools.partial(bitwise, CanonicalUpdate(update, mesh, outputs=2)),
+        functools.partial(
+            bitwise.with_state,
+            CanonicalUpdate(lambda state, grads: (update_state(state, grads),), mesh, outputs=1),
+        ),
     )
 
 
@@ -196,8 +202,10 @@ class _BitwiseTrain:
         def place(x):
             if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding):
                 return x
-            if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float)):
-                return jax.device_put(x, sharding)  # TrainState.create's step=0 too
+            if isinstance(x, int | float):  # TrainState.create's step=0: not weakly typed
+                x = np.asarray(x)
+            if isinstance(x, jax.Array | np.ndarray | np.generic):
+                return jax.device_put(x, sharding)
             return x
 
         return jax.tree.map(place, tree)
@@ -216,7 +224,7 @@ class _BitwiseTrain:
         out, grads, params = self.grads(state.params, batch, key, ids)
         if params is not state.params:
             state = state.replace(params=params)
-        state = update_state(state, grads)
+        (state,) = update_state(state, grads)
         self._returned = state.params
         return out, state
 

@@ -1,11 +1,15 @@
 """train_step: two trees or a Flax TrainState, both modes, the same bits, compiled once."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import unsplit
 
@@ -124,3 +128,101 @@ def test_bad_arguments_are_refused():
     state = train_state.TrainState.create(apply_fn=None, params=init(), tx=optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"train\(state, batch, key, ids=None\)"):
         train(state, X)
+
+
+# ---- the optimizer update inside the bitwise guarantee: FSDP, any optax transformation ----
+
+SIZES = (8, 64, 64, 64, 4)  # a 4-layer MLP
+
+
+def mlp_init():
+    keys = jax.random.split(jax.random.key(5), len(SIZES) - 1)
+    return {
+        f"w{i}": jax.random.normal(k, (a, b)) / np.sqrt(a)
+        for i, (k, a, b) in enumerate(zip(keys, SIZES[:-1], SIZES[1:], strict=True))
+    }
+
+
+def mlp_loss(params, x, key):
+    h = x
+    for i in range(len(SIZES) - 1):
+        h = h @ params[f"w{i}"]
+        if i < len(SIZES) - 2:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.9, h.shape)
+            h = jnp.where(keep, jax.nn.relu(h) / 0.9, 0.0)
+    return jnp.sum(h**2)
+
+
+MLP_X = jax.random.normal(jax.random.key(6), (32, SIZES[0]))
+
+
+def fsdp(params, mesh):
+    """Each matrix sharded over the batch axis on its first dimension (FSDP)."""
+    return {k: jax.device_put(v, NamedSharding(mesh, P("data"))) for k, v in params.items()}
+
+
+def run_mlp(optimizer, devices, microbatches=1, layout="fsdp", steps=3):
+    mesh = jax.make_mesh((devices,), ("data",)) if devices else None
+    step = unsplit.value_and_grad(
+        mlp_loss, mesh=mesh, microbatches=microbatches, bitwise=True, chunk_size=4
+    )
+    params = mlp_init()
+    if mesh is not None and layout == "fsdp":
+        params = fsdp(params, mesh)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        opt_state = optimizer.init(params)  # Explicit axes: as plain JAX, inside the mesh
+    train = unsplit.train_step(step, optimizer)
+    for i in range(steps):
+        _, params, opt_state = train(params, opt_state, MLP_X, jax.random.fold_in(KEY, i))
+    return params, opt_state
+
+
+OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(optax.cosine_decay_schedule(1e-2, 10), weight_decay=1e-2),
+    "clip+adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+    "lamb": lambda: optax.lamb(1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    "momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fsdp_runs_end_in_the_same_bits_for_every_data_parallel_degree(name):
+    one = run_mlp(OPTIMIZERS[name](), None, microbatches=2)
+    eight = run_mlp(OPTIMIZERS[name](), 8)
+    assert unsplit.testing.bits_equal(jax.device_get(eight), jax.device_get(one))
+    assert unsplit.testing.rel_l2(one[0], mlp_init()) > 1e-4  # it trained
+    # The params keep their FSDP shardings.
+    assert eight[0]["w1"].sharding.spec == P("data")
+
+
+@pytest.mark.slow
+def test_adamw_fsdp_grid_of_schedules_is_bit_identical():
+    optimizer = OPTIMIZERS["clip+adamw"]
+    reference = jax.device_get(run_mlp(optimizer(), None))
+    for devices, microbatches, layout in [(2, 1, "fsdp"), (4, 2, "fsdp"), (8, 1, "fsdp"),
+                                          (8, 1, "replicated"), (1, 4, "fsdp")]:  # fmt: skip
+        got = jax.device_get(run_mlp(optimizer(), devices, microbatches, layout))
+        assert unsplit.testing.bits_equal(got, reference), (devices, microbatches, layout)
+
+
+def test_negative_control_a_jitted_update_on_fsdp_shards_changes_the_bits():
+    # The same grads (bitwise), updated by the usual jitted optax update on FSDP shards.
+    optimizer = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+    params = mlp_init()
+    _, grads = unsplit.value_and_grad(mlp_loss, bitwise=True, chunk_size=4)(params, MLP_X, KEY)
+
+    @jax.jit
+    def update(params, grads):
+        updates, _ = optimizer.update(grads, optimizer.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    one = update(params, grads)
+    differ = []
+    for devices in (2, 8):
+        mesh = jax.make_mesh((devices,), ("data",))
+        with jax.set_mesh(mesh):
+            sharded = update(fsdp(params, mesh), fsdp(grads, mesh))
+        differ.append(not unsplit.testing.bits_equal(jax.device_get(sharded), one))
+    assert any(differ)
