@@ -1,0 +1,222 @@
+"""The accelerator check: bitwise bits and costs on the devices this machine has (<= 8 min).
+
+Run on a machine with GPUs (or TPUs)::
+
+    python benchmarks/device_check.py --out device_check.md
+
+It sets the flags bitwise mode needs on GPU (``--xla_gpu_deterministic_ops=true
+--xla_gpu_autotune_level=0``) before importing jax, then, on the devices it finds:
+
+1. **the bitwise grid**: the test transformer's bitwise step on 1, 2, 4 and 8 devices
+   (those present) with 1 or 2 microbatches; loss and grads compared bit for bit with the
+   one-device result; then 3 AdamW steps through ``unsplit.train_step`` with FSDP
+   params on every device count, params and optimizer state compared bit for bit;
+2. **bitwise vs default time**: the same step, side by side in alternating rounds, with
+   replicated params, FSDP params and, with 2+ devices, tensor parallel (data, model=2);
+3. **the dropout and attention benches** (``dropout_bench.py`` and
+   ``attention_bench.py`` with ``--quick``), their tables as printed.
+
+Everything goes to stdout and, with ``--out``, to a markdown file headed by the device's
+name, ready for docs/benchmarks.md. Each part checks the time left and says what it
+skipped. On CPU (no accelerator) it runs on 8 simulated devices, as a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+GPU_FLAGS = "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
+HERE = pathlib.Path(__file__).resolve().parent
+BUDGET_S = 8 * 60
+START = time.monotonic()
+
+
+def left() -> float:
+    return BUDGET_S - (time.monotonic() - START)
+
+
+def setup_flags() -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_deterministic_ops" not in flags:
+        flags += " " + GPU_FLAGS
+    if "xla_force_host_platform_device_count" not in flags:
+        flags += " --xla_force_host_platform_device_count=8"  # used only on CPU
+    os.environ["XLA_FLAGS"] = flags.strip()
+
+
+def device_counts(n: int) -> list[int]:
+    return [d for d in (1, 2, 4, 8) if d <= n]
+
+
+def grid(lines: list[str]) -> None:
+    import jax
+    import numpy as np
+    import optax
+
+    import unsplit
+    from unsplit.models import (
+        Transformer,
+        TransformerConfig,
+        fsdp_specs,
+        init_params,
+        on_mesh,
+        synthetic_batch,
+        token_loss,
+    )
+
+    config = TransformerConfig(vocab=96, length=64, width=128, heads=4, layers=2)
+    model = Transformer(config)
+    host = jax.tree.map(np.asarray, init_params(model))
+    batch = jax.tree.map(np.asarray, synthetic_batch(config, 64, seed=1))
+    key = jax.random.key(0)
+    loss = token_loss(model)
+    counts = device_counts(jax.device_count())
+    reference = None
+    lines += ["", "### Bitwise grid (loss and grads vs 1 device)", "",
+              "| devices | microbatches | bit-identical |", "|---|---|---|"]  # fmt: skip
+    for n in counts:
+        for microbatches in (1, 2):
+            if left() < 60:
+                lines.append(f"| {n} | {microbatches} | skipped (time) |")
+                continue
+            mesh = jax.make_mesh((n,), ("data",))
+            step = unsplit.value_and_grad(
+                loss, weighted=True, mesh=mesh, microbatches=microbatches, bitwise=True
+            )
+            out = jax.device_get(step(on_mesh(host, mesh), batch, key))
+            reference = out if reference is None else reference
+            lines.append(f"| {n} | {microbatches} | {unsplit.testing.bits_equal(out, reference)} |")
+    lines += ["", "### 3 AdamW steps, FSDP params (params and optimizer state vs 1 device)", "",
+              "| devices | bit-identical |", "|---|---|"]  # fmt: skip
+    first = None
+    for n in counts:
+        if left() < 60:
+            lines.append(f"| {n} | skipped (time) |")
+            continue
+        mesh = jax.make_mesh((n,), ("data",))
+        params = on_mesh(host, mesh, fsdp_specs(host, "data", n))
+        optimizer = optax.adamw(1e-3)
+        with jax.set_mesh(mesh):
+            opt_state = optimizer.init(params)
+        train = unsplit.train_step(
+            unsplit.value_and_grad(loss, weighted=True, mesh=mesh, bitwise=True), optimizer
+        )
+        for i in range(3):
+            _, params, opt_state = train(params, opt_state, batch, jax.random.fold_in(key, i))
+        out = jax.device_get((params, opt_state))
+        first = out if first is None else first
+        lines.append(f"| {n} | {unsplit.testing.bits_equal(out, first)} |")
+
+
+def timing(lines: list[str]) -> None:
+    import common
+    import jax
+    import numpy as np
+
+    from unsplit.models import (
+        Transformer,
+        TransformerConfig,
+        fsdp_specs,
+        init_params,
+        megatron_specs,
+        on_mesh,
+        synthetic_batch,
+    )
+
+    config = TransformerConfig(vocab=96, length=64, width=256, heads=4, layers=4)
+    model = Transformer(config)
+    host = jax.tree.map(np.asarray, init_params(model))
+    batch = jax.tree.map(np.asarray, synthetic_batch(config, 64, seed=1))
+    key = jax.random.key(0)
+    n = max(device_counts(jax.device_count()))
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    layouts = [("replicated", (n, 1), None), ("FSDP", (n, 1), "fsdp")]
+    if n >= 2:
+        layouts.append(("tensor parallel, Megatron", (n // 2, 2), "megatron"))
+    lines += ["", f"### Step time, bitwise / default ({n} devices, batch 64)", "",
+              "| layout | bitwise / default (median, min-max) | first call: bitwise / default |",
+              "|---|---|---|"]  # fmt: skip
+    for name, shape, specs in layouts:
+        if left() < 90:
+            lines.append(f"| {name} | skipped (time) | |")
+            continue
+        mesh = jax.make_mesh(shape, ("data", "model"), axis_types=auto)
+        spec_tree = None
+        if specs == "fsdp":
+            spec_tree = fsdp_specs(host, "data", shape[0])
+        elif specs == "megatron":
+            spec_tree = megatron_specs(host)
+        ratio, first = time_layout(model, on_mesh(host, mesh, spec_tree), batch, key, mesh)
+        lines.append(f"| {name} | {common.ratio_cell(ratio)} | {first:.1f}x |")
+
+
+def time_layout(model, params, batch, key, mesh):
+    """(bitwise / default step time, bitwise / default first call) for one layout."""
+    import common
+
+    import unsplit
+    from unsplit.models import token_loss
+
+    default = unsplit.value_and_grad(token_loss(model), weighted=True, mesh=mesh)
+    bitwise = unsplit.value_and_grad(token_loss(model), weighted=True, mesh=mesh, bitwise=True)
+    first = common.time_once(lambda: bitwise(params, batch, key)) / common.time_once(
+        lambda: default(params, batch, key)
+    )
+    candidates = {
+        "default": lambda: default(params, batch, key),
+        "bitwise": lambda: bitwise(params, batch, key),
+    }
+    results = common.compare(candidates, baseline="default", repeats=7, inner=3, warmup=1)
+    return next(r for r in results if r.name == "bitwise"), first
+
+
+def benches(lines: list[str]) -> None:
+    for script in ("dropout_bench.py", "attention_bench.py"):
+        if left() < 60:
+            lines += ["", f"{script}: skipped (time)"]
+            continue
+        done = subprocess.run(
+            [sys.executable, str(HERE / script), "--quick"],
+            capture_output=True,
+            text=True,
+            timeout=max(30, left() - 20),
+            env=os.environ,
+        )
+        lines += ["", f"### {script} --quick (exit {done.returncode})", "", "```",
+                  done.stdout.strip()[-4000:], "```"]  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, help="also write the report here (markdown)")
+    args = parser.parse_args()
+    setup_flags()
+    sys.path.insert(0, str(HERE))
+    import jax
+
+    device = jax.devices()[0]
+    lines = [
+        f"## Device check: {jax.device_count()} x {device.device_kind} ({device.platform})",
+        "",
+        f"jax {jax.__version__}; XLA_FLAGS={os.environ['XLA_FLAGS']}",
+    ]
+    for part in (grid, timing, benches):
+        try:
+            part(lines)
+        except Exception as error:  # report it and go on: one part's failure is a finding
+            lines += ["", f"{part.__name__} failed: {type(error).__name__}: {error}"]
+    lines += ["", f"Total {time.monotonic() - START:.0f} s."]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        args.out.write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
