@@ -43,8 +43,10 @@ KINDS: dict[str, Kind] = {
         "an operation that reads other examples (a named-axis collective) in a per-example loss",
         "its result depends on which examples share the device or the vmapped batch, so it "
         "changes with the number of devices and microbatches",
-        "compute the loss of one example from that example alone; move batch statistics out "
-        "of the loss",
+        "compute the loss of one example from that example alone; a loss that needs the other "
+        "examples (in-batch negatives, batch statistics, a load-balancing term) belongs in "
+        "unsplit.value_and_grad(features_fn, batch_loss=batch_loss_fn): per-example features, "
+        "then one loss over the whole global batch's features (docs/coupled.md)",
     ),
     "dropped_state": Kind(
         "state updated inside the loss and then discarded (BatchNorm statistics, mutable "
