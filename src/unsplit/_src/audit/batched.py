@@ -151,6 +151,8 @@ def batch_draw_findings(draws: Sequence[Draw], larger: Sequence[Draw]) -> list[F
     for d, e in zip(draws, larger, strict=True):
         if d.shape != e.shape and d.key_shapes == e.key_shapes:
             groups.setdefault((roots(d.key_info), _same_key_in_loop(d)), []).append(d)
+        elif _one_key_per_microbatch(d, e):
+            groups.setdefault((roots(d.key_info), "per microbatch"), []).append(d)
     out = []
     for group in groups.values():
         sites = list(dict.fromkeys(d.site for d in group))
@@ -165,6 +167,36 @@ def batch_draw_findings(draws: Sequence[Draw], larger: Sequence[Draw]) -> list[F
     return out
 
 
+def _trips(d: Draw) -> int:
+    """How many times the draw runs: the product of its enclosing scans' lengths."""
+    return int(np.prod([loop.eqn.params.get("length", 1) for loop in d.ctx.loops]))
+
+
+def _iteration_key_shapes(d: Draw) -> tuple[tuple[int, ...], ...]:
+    """The key's shape in one iteration: a key array the loop scans over loses its leading
+    (per-iteration) axis."""
+    trips = _trips(d)
+    return tuple(s[1:] if s and s[0] == trips else s for s in d.key_shapes)
+
+
+def _single_key(d: Draw) -> bool:
+    single = ((), (2,)) if d.key_dtype == "uint32" else ((),)
+    return all(s in single for s in _iteration_key_shapes(d))
+
+
+def _one_key_per_microbatch(d: Draw, larger: Draw) -> bool:
+    """A loop over microbatches (more iterations for a larger batch) in which one key draws
+    a non-scalar array each iteration: noise for a whole microbatch from one key."""
+    return (
+        bool(d.ctx.loops)
+        and d.shape == larger.shape
+        and bool(d.shape)
+        and _iteration_key_shapes(d) == _iteration_key_shapes(larger)
+        and _single_key(d)
+        and _trips(larger) > _trips(d)
+    )
+
+
 def _same_key_in_loop(d: Draw) -> bool:
     return bool(d.ctx.loops) and d.ctx.loops[-1].marker not in d.key_info
 
@@ -175,6 +207,15 @@ def _batch_draw_message(d: Draw) -> str:
         "noise is its row of one array, so it depends on the example's position and on the "
         "batch size, not on the example"
     )
+    if d.ctx.loops and _trips(d) > 1 and not _same_key_in_loop(d):
+        return (
+            f"{text}. The loop at {d.ctx.loops[-1].marker.site} runs once per microbatch "
+            "(more often for a larger batch) and each iteration draws from one key (split or "
+            "folded per microbatch, as Levanter's and MaxText's accumulation loops do): an "
+            "example's noise depends on which microbatch it lands in and where, so it changes "
+            "with the microbatch size. Fix: per-example keys, unsplit.example_keys(key, ids), "
+            "or unsplit.value_and_grad."
+        )
     if _same_key_in_loop(d):
         return (
             f"{text}. Inside the loop at {d.ctx.loops[-1].marker.site} the key is the same at "

@@ -5,6 +5,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import unsplit
 
@@ -72,3 +73,67 @@ def test_batch_draw_names_every_line_that_draws_from_the_same_key():
     name = __file__.rsplit("/", 1)[-1]
     others = [f"{name}:{first + i}" for i in range(1, 6)]
     assert f"The same key also draws at 5 other lines: {', '.join(others)}." in finding.message
+
+
+# ---- one key per microbatch: the loop runs once per microbatch, one key draws for it all ----
+
+MICRO = 4  # fixed microbatch size: a larger batch means more microbatches, not larger ones
+
+
+def _mb_loss(w, x, mask):
+    return jnp.mean((jnp.where(mask, x, 0.0) @ w) ** 2)
+
+
+def levanter_style(w, batch, key):
+    k = batch.shape[0] // MICRO
+    keys = jax.random.split(key, k)
+
+    def body(acc, xs):
+        x, kk = xs
+        mask = jax.random.bernoulli(kk, 0.9, x.shape)  # LEVANTER_DRAW
+        return acc + jax.grad(_mb_loss)(w, x, mask), None
+
+    g, _ = jax.lax.scan(body, jnp.zeros_like(w), (batch.reshape(k, MICRO, -1), keys))
+    return g / k
+
+
+def fold_in_per_microbatch(w, batch, key):
+    k = batch.shape[0] // MICRO
+    mbs = batch.reshape(k, MICRO, -1)
+
+    def body(acc, i):
+        mask = jax.random.bernoulli(jax.random.fold_in(key, i), 0.9, mbs[i].shape)  # FOLD_DRAW
+        return acc + jax.grad(_mb_loss)(w, mbs[i], mask), None
+
+    g, _ = jax.lax.scan(body, jnp.zeros_like(w), jnp.arange(k))
+    return g / k
+
+
+def per_example_keys_per_microbatch(w, batch, key):
+    k = batch.shape[0] // MICRO
+    keys = unsplit.example_keys(key, jnp.arange(batch.shape[0])).reshape(k, MICRO)
+
+    def body(acc, xs):
+        x, kk = xs
+        mask = jax.vmap(lambda kk, row: jax.random.bernoulli(kk, 0.9, row.shape))(kk, x)
+        return acc + jax.grad(_mb_loss)(w, x, mask), None
+
+    g, _ = jax.lax.scan(body, jnp.zeros_like(w), (batch.reshape(k, MICRO, -1), keys))
+    return g / k
+
+
+@pytest.mark.parametrize(
+    ("fn", "marker"), [(levanter_style, "LEVANTER_DRAW"), (fold_in_per_microbatch, "FOLD_DRAW")]
+)
+def test_one_key_per_microbatch_is_a_batch_draw_at_its_line(fn, marker):
+    args = (jnp.ones((3, 2)), jnp.ones((16, 3)), jax.random.key(0))
+    (found,) = [f for f in unsplit.audit_step(fn, *args) if f.kind == "batch_draw"]
+    source = inspect.getsource(fn).splitlines()
+    offset = next(i for i, line in enumerate(source) if marker in line)
+    assert found.line == fn.__code__.co_firstlineno + offset
+    assert "once per microbatch" in found.message and "example_keys" in found.message
+
+
+def test_per_example_keys_inside_a_microbatch_loop_pass():
+    args = (jnp.ones((3, 2)), jnp.ones((16, 3)), jax.random.key(0))
+    assert not unsplit.audit_step(per_example_keys_per_microbatch, *args)
