@@ -226,3 +226,30 @@ def test_negative_control_a_jitted_update_on_fsdp_shards_changes_the_bits():
             sharded = update(fsdp(params, mesh), fsdp(grads, mesh))
         differ.append(not unsplit.testing.bits_equal(jax.device_get(sharded), one))
     assert any(differ)
+
+
+@pytest.mark.parametrize("name", ["clip+adamw", "adafactor"])
+def test_tensor_parallel_runs_end_in_the_same_bits_for_every_data_parallel_degree(name):
+    from unsplit._src import test_util
+
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    results = []
+    for data in (1, 2, 4):
+        mesh = jax.make_mesh((data, 2), ("data", "model"), axis_types=auto)
+        specs = test_util.MLP_LAYOUTS["tp"]
+        params = {
+            k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+            for k, v in test_util.mlp_params().items()
+        }
+        optimizer = OPTIMIZERS[name]()
+        opt_state = optimizer.init(params)
+        step = unsplit.value_and_grad(
+            test_util.MLP_LOSSES[True], weighted=True, mesh=mesh, bitwise=True
+        )
+        train = unsplit.train_step(step, optimizer)
+        batch = test_util.mlp_batch()
+        for i in range(3):
+            _, params, opt_state = train(params, opt_state, batch, jax.random.fold_in(KEY, i))
+        assert params["w1"].sharding.spec == specs["w1"]  # the layout is kept
+        results.append(jax.device_get((params, opt_state)))
+    assert all(unsplit.testing.bits_equal(r, results[0]) for r in results[1:])
