@@ -30,7 +30,7 @@ def test_readme_quickstart_runs():
     assert float(namespace["loss"]) > 0
 
 
-@pytest.mark.parametrize("page", ["models.md"])
+@pytest.mark.parametrize("page", ["models.md", "coupled.md"])
 def test_every_code_block_of_the_page_runs(page):
     path = ROOT / "docs" / page
     namespace = run_blocks(path, python_blocks(path))

@@ -204,3 +204,91 @@ def threefry_sizes(jaxpr) -> list[int]:
             if hasattr(inner, "eqns"):
                 sizes += threefry_sizes(inner)
     return sizes
+
+
+# --- A CLIP-style coupled loss (batch_loss): step/coupled_test.py and bitwise/coupled_test.py ---
+# Two towers with dropout, L2-normalized embeddings, a symmetric InfoNCE loss with in-batch
+# negatives and a learnable temperature that only the batch loss uses.
+
+CLIP_KEY = jax.random.fold_in(jax.random.key(0), 21)
+CLIP_B, _CLIP_DI, _CLIP_DT, _CLIP_H, _CLIP_E = 32, 16, 8, 16, 8  # batch, inputs, hidden, embedding
+
+
+def clip_params() -> dict:
+    k = jax.random.split(jax.random.key(1), 4)
+    di, dt, h, e = _CLIP_DI, _CLIP_DT, _CLIP_H, _CLIP_E
+    return {
+        "image": {
+            "w1": jax.random.normal(k[0], (di, h)) / np.sqrt(di),
+            "w2": jax.random.normal(k[1], (h, e)) / np.sqrt(h),
+        },
+        "text": {
+            "w1": jax.random.normal(k[2], (dt, h)) / np.sqrt(dt),
+            "w2": jax.random.normal(k[3], (h, e)) / np.sqrt(h),
+        },
+        "log_temp": jnp.asarray(np.log(5.0), jnp.float32),
+    }
+
+
+def clip_batch() -> dict:
+    k1, k2 = jax.random.split(jax.random.key(2))
+    image = jax.random.normal(k1, (CLIP_B, _CLIP_DI))
+    text = image[:, :_CLIP_DT] + 0.5 * jax.random.normal(k2, (CLIP_B, _CLIP_DT))  # matched pairs
+    return {"image": image, "text": text}
+
+
+def _clip_tower(p, x, key, rate=0.25):
+    h = jax.nn.gelu(x @ p["w1"])
+    keep = jax.random.bernoulli(key, 1 - rate, h.shape)
+    z = jnp.where(keep, h / (1 - rate), 0.0) @ p["w2"]
+    return z / jnp.linalg.norm(z)
+
+
+def clip_features(params, example, key):
+    """ONE example's two embeddings, each tower with its own dropout mask."""
+    return {
+        "image": _clip_tower(params["image"], example["image"], jax.random.fold_in(key, 0)),
+        "text": _clip_tower(params["text"], example["text"], jax.random.fold_in(key, 1)),
+    }
+
+
+def clip_loss(log_temp, image, text):
+    """Symmetric InfoNCE of (n, E) embeddings: every other row is a negative."""
+    logits = jnp.exp(log_temp) * image @ text.T
+    labels = jnp.arange(image.shape[0])
+    i2t = -jnp.take_along_axis(jax.nn.log_softmax(logits, 1), labels[:, None], 1)
+    t2i = -jnp.take_along_axis(jax.nn.log_softmax(logits, 0), labels[None, :], 0)
+    return (jnp.mean(i2t) + jnp.mean(t2i)) / 2
+
+
+def clip_batch_loss(params, features):
+    return clip_loss(params["log_temp"], features["image"], features["text"])
+
+
+def clip_batch_loss_with_aux(params, features):
+    logits = features["image"] @ features["text"].T
+    accuracy = jnp.mean(jnp.argmax(logits, 1) == jnp.arange(logits.shape[0]))
+    return clip_batch_loss(params, features), {"accuracy": accuracy}
+
+
+def clip_reference(params, batch, key, ids=None):
+    """The definition: jax.value_and_grad of batch_loss(p, vmap(features)(p, batch, keys))."""
+    from unsplit._src import keys as keys_lib
+
+    n = jax.tree.leaves(batch)[0].shape[0]
+    keys = keys_lib.example_keys(key, jnp.arange(n) if ids is None else ids)
+
+    def total(p):
+        return clip_batch_loss(p, jax.vmap(clip_features, in_axes=(None, 0, 0))(p, batch, keys))
+
+    return jax.jit(jax.value_and_grad(total))(params)
+
+
+def clip_close(out, ref, tol: float = 1e-5) -> None:
+    """Loss and grads within ``tol`` of ``ref``; the temperature's gradient counted once."""
+    loss, grads = out
+    ref_loss, ref_grads = ref
+    assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss)), (loss, ref_loss)
+    assert rel_l2(grads, ref_grads) <= tol, rel_l2(grads, ref_grads)
+    t, rt = float(grads["log_temp"]), float(ref_grads["log_temp"])
+    assert abs(t - rt) <= 10 * tol * abs(rt) + 1e-7, (t, rt)

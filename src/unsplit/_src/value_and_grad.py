@@ -23,11 +23,13 @@ from unsplit._src.step.default import DefaultStep
 from unsplit._src.step.layout import Layout
 
 LossFn = sums.LossFn
+BatchLossFn = Any  # batch_loss(params, features) -> scalar loss (or (loss, aux))
 
 
 def value_and_grad(
     loss_fn: LossFn,
     *,
+    batch_loss: BatchLossFn | None = None,
     weighted: bool = False,
     has_aux: bool = False,
     microbatches: int = 1,
@@ -77,6 +79,20 @@ def value_and_grad(
             the padded length changes (``padding_unstable``) gives a
             :class:`unsplit.PaddingWarning` instead. Without it, the first call still refuses a loss that draws
             from a key it did not get as its third argument (``foreign_key``).
+        batch_loss: for a loss that couples the examples (contrastive with
+            in-batch negatives, a global-batch MoE balancing term):
+            ``loss_fn`` is then ``features_fn(params, example, key)``, returning
+            ONE example's features (a pytree of floating-point arrays), and
+            ``batch_loss(params, features)`` returns the scalar loss of the
+            global batch from every example's features stacked in global-batch
+            order (leading axis ``B``). The step's loss and grads are
+            ``jax.value_and_grad`` of ``batch_loss(params, vmap(features_fn)(params,
+            batch, example_keys(key, ids)))`` over the whole global batch, for
+            every schedule; with ``has_aux=True`` ``batch_loss`` returns
+            ``(loss, aux)`` and ``aux`` comes back as it returned it. Memory:
+            one microbatch's activations plus the global batch's features (see
+            ``docs/coupled.md``). Not with ``weighted=True`` (put weights in the
+            features and divide inside ``batch_loss``).
 
     Returns:
         A :class:`Step`; ``step(params, batch, key, ids=None)`` returns
@@ -100,6 +116,7 @@ def value_and_grad(
     """
     return Step(
         loss_fn,
+        batch_loss=batch_loss,
         weighted=weighted,
         has_aux=has_aux,
         microbatches=microbatches,
@@ -124,6 +141,7 @@ class Step:
         self,
         loss_fn: LossFn,
         *,
+        batch_loss: BatchLossFn | None = None,
         weighted: bool = False,
         has_aux: bool = False,
         microbatches: int = 1,
@@ -137,10 +155,14 @@ class Step:
         validate.check_callable(loss_fn)
         validate.check_microbatches(microbatches)
         validate.check_mesh(mesh)
+        weighted = validate.check_flag("weighted", weighted)
+        if batch_loss is not None:
+            _check_batch_loss(batch_loss, weighted)
         self.spec = sums.LossSpec(
             loss_fn,
-            weighted=validate.check_flag("weighted", weighted),
+            weighted=weighted,
             has_aux=validate.check_flag("has_aux", has_aux),
+            batch_loss=batch_loss,
         )
         self.microbatches = int(microbatches)
         self.layout = Layout.make(mesh, batch_axes)
@@ -167,6 +189,10 @@ class Step:
         return self.spec.loss_fn
 
     @property
+    def batch_loss(self) -> BatchLossFn | None:
+        return self.spec.batch_loss
+
+    @property
     def weighted(self) -> bool:
         return self.spec.weighted
 
@@ -190,6 +216,8 @@ class Step:
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
         mesh = None if self.mesh is None else dict(self.mesh.shape)
+        if self.batch_loss is not None:
+            name += f", batch_loss={getattr(self.batch_loss, '__name__', repr(self.batch_loss))}"
         return (
             f"Step({name}, weighted={self.weighted}, has_aux={self.has_aux}, "
             f"microbatches={self.microbatches}, mesh={mesh}, batch_axes={self.batch_axes}, "
@@ -204,6 +232,7 @@ class Step:
             "microbatches": self.microbatches,
             "weighted": self.weighted,
             "has_aux": self.has_aux,
+            "coupled": self.spec.coupled,
             "batch_axes": self.batch_axes,
             "mesh": self.mesh,
         }
@@ -288,6 +317,22 @@ class Step:
         if self.has_aux:
             return (loss, aux), grads
         return loss, grads
+
+
+def _check_batch_loss(batch_loss: Any, weighted: bool) -> None:
+    if not callable(batch_loss):
+        raise TypeError(
+            f"batch_loss must be a function batch_loss(params, features) -> scalar loss of the "
+            f"global batch; got {type(batch_loss).__name__}. Fix: pass a function, or omit "
+            "batch_loss for a loss that is a mean over independent examples."
+        )
+    if weighted:
+        raise ValueError(
+            "weighted=True does not apply with batch_loss: expected weighted=False, because "
+            "batch_loss returns the loss of the whole global batch itself; got weighted=True. "
+            "Fix: drop weighted=True; return each example's (loss_sum, weight) as features and "
+            "compute jnp.sum(loss_sums) / jnp.sum(weights) inside batch_loss."
+        )
 
 
 def _with_memory_hint(error: Exception, step: Step) -> Exception:

@@ -150,7 +150,11 @@ def make_plan(
         jax.ShapeDtypeStruct(s, sums.wide_float(a.dtype))
         for s, a in zip(diff_shapes, structure.diff_of(arrays), strict=True)
     ]
-    loss_dtype = _loss_dtype(spec, structure, arrays, batch, key)
+    # A coupled loss's chunks carry only grads: their loss and weight slots are 0.
+    coupled = spec.batch_loss is not None
+    loss_dtype = (
+        np.dtype(np.float32) if coupled else _loss_dtype(spec, structure, arrays, batch, key)
+    )
     scalars = [jax.ShapeDtypeStruct((), loss_dtype), jax.ShapeDtypeStruct((), loss_dtype)]
     sums_flat = FlatPlan.of([*grads, *scalars])
     chunks = size // chunk

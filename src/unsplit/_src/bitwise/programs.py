@@ -136,8 +136,10 @@ def lower_chunk(fn, args, devices):
     is compiled as it is.
     """
     if CANONICAL_DOTS and canonical_dots.is_cpu(devices):
-        return jax.jit(canonical_dots.canonicalize(fn)).lower(*args), canonical_dots.CPU_OPTIONS
-    return jax.jit(fn).lower(*args), None
+        return jax.jit(canonical_dots.canonicalize(fn), keep_unused=True).lower(
+            *args
+        ), canonical_dots.CPU_OPTIONS
+    return jax.jit(fn, keep_unused=True).lower(*args), None
 
 
 def check_chunk(compiled, options) -> None:

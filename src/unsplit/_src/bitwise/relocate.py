@@ -25,6 +25,9 @@ from jax.extend import backend as jax_backend
 class Relocated:
     """``compiled`` (a one-device :class:`jax.stages.Compiled`) loaded onto ``device``.
 
+    ``compiled`` must take every argument it was lowered with (``jax.jit(fn,
+    keep_unused=True)``): the executable is called with all of them.
+
     Called like ``compiled``, with the same arguments placed on ``device``; its
     outputs live there. ``as_text`` and ``memory_analysis`` are those of the
     program it was loaded from (the same program).

@@ -39,8 +39,8 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
+from unsplit._src.bitwise import accelerators, coupled, programs, reduce, relocate
 from unsplit._src.bitwise import plan as bitwise_plan
-from unsplit._src.bitwise import programs, reduce, relocate
 from unsplit._src.step import sums, validate
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
@@ -73,6 +73,7 @@ class BitwiseStep:
         else:
             self.single = False
         self.layout = layout
+        accelerators.warn_once_without_gpu_flags(layout.mesh.devices.flat)
         self._plans: dict[Any, Any] = {}
         self._warned: set[str] = set()
 
@@ -124,7 +125,7 @@ class BitwiseStep:
             plan, _ = bitwise_plan.make_plan(
                 self.spec, self.layout, params, batch, key, size, chunk
             )
-            state = _Compiled(self, plan)
+            state = (_CoupledCompiled if self.spec.coupled else _Compiled)(self, plan)
             self._plans[signature] = state
         return state
 
@@ -159,6 +160,7 @@ class _Compiled:
             specs = [s for s, d in zip(plan.given, plan.structure.diff, strict=True) if d]
             grad_shardings = [NamedSharding(mesh, s) for s in specs]
             loss_sharding = NamedSharding(mesh, P())
+        self.grad_shardings, self.loss_sharding = grad_shardings, loss_sharding
         self.unpack = self._program(
             ("unpack", plan, owner.single),
             lambda: programs.unpack_program(plan, grad_shardings, loss_sharding),
@@ -183,6 +185,23 @@ class _Compiled:
         return self.shared[key]
 
     def run(self, params, batch, key, ids):
+        inputs = self._inputs(params, batch, ids, key)
+        if not self.executables:
+            self._compile(inputs)
+        outs, auxes = {}, {}
+        for g in self.local_groups:  # every call is asynchronous: the groups run at once
+            group_vectors, chunks, group_key = inputs[g]
+            run_chunk = self.executables[g]
+            done = [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
+            outs[g] = [chunk_sums for chunk_sums, _ in done]
+            if self.owner.spec.has_aux:
+                auxes[g] = programs.concat_rows([aux for _, aux in done])
+        loss, grads, weight = self.unpack(self._total(outs))
+        aux = self._aux(auxes) if self.owner.spec.has_aux else None
+        return loss, grads, aux, weight
+
+    def _inputs(self, params, batch, ids, key) -> dict:
+        """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices."""
         plan = self.plan
         vectors = self.pack(params)
         by_device = [{s.device: s.data for s in v.addressable_shards} for v in vectors]
@@ -197,19 +216,17 @@ class _Compiled:
             group_rows = (jax.tree.map(place.rows, batch), place.rows(hi), place.rows(lo))
             chunks = programs.split_chunks(group_rows, plan.chunk)
             inputs[g] = (group_vectors, chunks, place.whole(key))
-        if not self.executables:
-            self._compile(inputs)
-        blocks, auxes = {}, {}
-        for g in self.local_groups:  # every call is asynchronous: the groups run at once
-            group_vectors, chunks, group_key = inputs[g]
-            run_chunk = self.executables[g]
-            outs = [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
+        return inputs
+
+    def _total(self, outs: dict) -> Any:
+        """The groups' per-chunk packed sums added in the canonical tree, on the user's mesh."""
+        plan = self.plan
+        blocks = {}
+        for g in self.local_groups:
             acc = reduce.Accumulator(add=programs.add_blocks)
-            for i, (chunk_sums, _) in enumerate(outs):
+            for i, chunk_sums in enumerate(outs[g]):
                 acc.push(g * plan.per_group + i, chunk_sums)
             blocks[g] = list(acc.blocks.values())  # left to right
-            if self.owner.spec.has_aux:
-                auxes[g] = programs.concat_rows([aux for _, aux in outs])
         stacked = {g: programs.stack_blocks(blocks[g], plan.slots) for g in self.local_groups}
         slots = [
             jax.make_array_from_single_device_arrays(
@@ -227,25 +244,27 @@ class _Compiled:
         totals = self.combine(*slots)
         if not self.same_mesh:
             totals = jax.device_put(totals, self.total_sharding)
-        loss, grads, weight = self.unpack(totals)
-        aux = self._aux(auxes) if self.owner.spec.has_aux else None
-        return loss, grads, aux, weight
+        return totals
 
     def _compile(self, inputs) -> None:
-        """Traces here (the caller's JAX settings apply), compiles each distinct program once.
-
-        One-device groups all run the same program: it is compiled for the first
-        group's device and loaded onto the others (:mod:`.relocate`), the same
-        machine code; groups of several devices are compiled in parallel.
-        """
+        """Compiles the chunk program for the local groups (see :meth:`_compiled`)."""
         args = {g: (v, *chunks[0], k) for g, (v, chunks, k) in inputs.items()}
-        keys = {g: self._key(g, args[g]) for g in self.local_groups}
+        self.executables.update(self._compiled(self.chunk_fns, args, "sums"))
+
+    def _compiled(self, fns: dict, args: dict, tag: str) -> dict:
+        """Each local group's program ``fns[g]`` for ``args[g]``, compiled once per distinct one.
+
+        Traces here (the caller's JAX settings apply). One-device groups all run
+        the same program: it is compiled for the first group's device and loaded
+        onto the others (:mod:`.relocate`), the same machine code; groups of
+        several devices are compiled in parallel.
+        """
+        keys = {g: (tag, self._key(g, args[g])) for g in self.local_groups}
         todo = [g for g in self.local_groups if keys[g] not in self.shared]
         single = [g for g in todo if self.plan.group_devices(g).size == 1]
         first = single[:1] + [g for g in todo if g not in single]
         lowered = {
-            g: programs.lower_chunk(self.chunk_fns[g], args[g], self.plan.group_devices(g).flat)
-            for g in first
+            g: programs.lower_chunk(fns[g], args[g], self.plan.group_devices(g).flat) for g in first
         }
         if lowered:
             with _compiling(len(todo)), concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
@@ -258,17 +277,17 @@ class _Compiled:
                     self.shared[keys[g]] = compiled
                 for g in single[1:]:
                     self.shared[keys[g]] = self._relocated(
-                        done[single[0]], g, lowered[single[0]][1], args[g]
+                        fns[g], done[single[0]], g, lowered[single[0]][1], args[g]
                     )
-        self.executables.update({g: self.shared[keys[g]] for g in self.local_groups})
+        return {g: self.shared[keys[g]] for g in self.local_groups}
 
-    def _relocated(self, compiled, g: int, options, args) -> Any:
+    def _relocated(self, fn, compiled, g: int, options, args) -> Any:
         """Group ``g``'s program: ``compiled`` loaded onto its device, else compiled for it."""
         (device,) = self.plan.group_devices(g).flat
         try:
             return relocate.Relocated(compiled, device, options)
         except Exception:  # a runtime that cannot load it there: compile it for the device
-            low = programs.lower_chunk(self.chunk_fns[g], args, [device])
+            low = programs.lower_chunk(fn, args, [device])
             return low[0].compile(compiler_options=low[1])
 
     def _key(self, g: int, args) -> Any:
@@ -309,6 +328,92 @@ class _Compiled:
             )
 
         return jax.tree.map(assemble, *per_group)
+
+
+class _CoupledCompiled(_Compiled):
+    """A coupled loss's passes (:mod:`unsplit._src.bitwise.coupled`), in the same placement.
+
+    Pass 1 runs a features chunk program per chunk on its group's device; the
+    features travel to one device (group 0's) and are concatenated in global
+    order; pass 2 runs the batch loss there, one program over the global
+    batch; pass 3 runs a pullback chunk program per chunk with its rows of the
+    features' cotangents, and the chunks' grads are added in the canonical tree.
+    """
+
+    def __init__(self, owner: BitwiseStep, plan: bitwise_plan.Plan):
+        coupled.check_supported(plan)
+        super().__init__(owner, plan)
+        spec = owner.spec
+        self.features_fns = {g: coupled.features_program(plan, spec) for g in self.local_groups}
+        self.pullback_fns = {g: coupled.pullback_program(plan, spec) for g in self.local_groups}
+        self.loss_fn = coupled.loss_program(plan, spec)
+        self.device = plan.group_devices(0).flat[0]
+        self.finish = self._program(
+            ("finish", plan, owner.single),
+            lambda: coupled.finish_program(plan, self.grad_shardings),
+        )
+        self.stages: dict[str, Any] = {}
+
+    def run(self, params, batch, key, ids):
+        plan = self.plan
+        inputs = self._inputs(params, batch, ids, key)
+        args = {g: (v, *chunks[0], k) for g, (v, chunks, k) in inputs.items()}
+        if "features" not in self.stages:
+            self.stages["features"] = self._compiled(self.features_fns, args, "features")
+        parts = []
+        for g in self.local_groups:  # pass 1, every chunk in global order
+            group_vectors, chunks, group_key = inputs[g]
+            run_chunk = self.stages["features"][g]
+            parts += [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
+        features = programs.concat_rows([jax.device_put(p, self.device) for p in parts])
+        vectors = [jax.device_put(v, self.device) for v in inputs[self.local_groups[0]][0]]
+        loss, aux, direct, g_features = self._loss_program(vectors, features)(vectors, features)
+        cotangents = programs.split_chunks(g_features, plan.chunk)  # pass 3's inputs
+
+        def cotangent(g, i):
+            (device,) = plan.group_devices(g).flat
+            return jax.device_put(cotangents[g * plan.per_group + i], device)
+
+        if "pullback" not in self.stages:
+            pargs = {g: (*args[g], cotangent(g, 0)) for g in self.local_groups}
+            self.stages["pullback"] = self._compiled(self.pullback_fns, pargs, "pullback")
+        outs = {}
+        for g in self.local_groups:
+            group_vectors, chunks, group_key = inputs[g]
+            run_chunk = self.stages["pullback"][g]
+            outs[g] = [
+                run_chunk(group_vectors, *chunk, group_key, cotangent(g, i))
+                for i, chunk in enumerate(chunks)
+            ]
+        totals = self._total(outs)
+        direct = [jax.device_put(d, t.sharding) for d, t in zip(direct, totals, strict=True)]
+        grads = self.finish(totals, direct)
+        loss = jax.device_put(loss, self.loss_sharding)
+        return loss, grads, aux, jax.device_put(np.float32(1), self.loss_sharding)
+
+    def _loss_program(self, vectors, features) -> Any:
+        """Pass 2's one-device program: compiled once per inputs' shapes, shared like the chunks'."""
+        plan, spec = self.plan, self.owner.spec
+        leaves, treedef = jax.tree.flatten((vectors, features))
+        avals = tuple((np.shape(x), str(x.dtype)) for x in leaves)
+        key = (
+            "loss",
+            programs.CANONICAL_DOTS,
+            spec.batch_loss,
+            spec.has_aux,
+            plan.structure,
+            plan.params_flat,
+            plan.sums_flat,
+            treedef,
+            avals,
+            self.device.id,
+        )
+        if key not in self.shared:
+            low, options = programs.lower_chunk(self.loss_fn, (vectors, features), [self.device])
+            compiled = low.compile(compiler_options=options)
+            programs.check_chunk(compiled, options)
+            self.shared[key] = compiled
+        return self.shared[key]
 
 
 class _Placer:

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src.processes import agreement, fingerprint
-from unsplit._src.step import sums, validate
+from unsplit._src.step import coupled, sums, validate
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
 
@@ -95,7 +95,7 @@ class DefaultStep:
         diff = [s for s, d in zip(shardings, structure.diff, strict=True) if d]
         grads = [NamedSharding(mesh, s) for s in diff]
         replicated = NamedSharding(mesh, P())
-        out = (replicated, grads, NamedSharding(mesh, P(layout.batch_entry)), replicated)
+        out = (replicated, grads, NamedSharding(mesh, self._aux_spec()), replicated)
         return jax.jit(run, out_shardings=out)
 
     def _agreeing(self, run, structure: sums.Params):
@@ -148,13 +148,18 @@ class DefaultStep:
                 # unsplit's business, so the user's loss (written for one example) never
                 # sees them, and XLA partitions the batch (and FSDP params) itself.
                 # Explicit model axes stay Explicit, as in the user's own code.
-                out_sharding = (P(), [s or P() for s in grad_specs], P(layout.batch_entry), P())
+                out_sharding = (P(), [s or P() for s in grad_specs], self._aux_spec(), P())
                 program = jax.sharding.auto_axes(
                     core, axes=layout.batch_axes, out_sharding=out_sharding
                 )
                 return program(arrays, batch, key, ids)
 
         return run
+
+    def _aux_spec(self) -> P:
+        """The aux's sharding: per-example aux is split like the batch; a coupled loss's
+        aux (whatever ``batch_loss`` returns) is replicated."""
+        return P() if self.spec.coupled else P(self.layout.batch_entry)
 
     def _core(self, structure: sums.Params, grad_specs: list, arrays, batch, key, ids):
         """``(loss, grads, aux, weight)`` of the global batch, inside the step's program."""
@@ -168,6 +173,20 @@ class DefaultStep:
 
         batch = jax.tree.map(lambda x: layout.constrain(x, P(layout.batch_entry)), batch)
         ids = _id_words(ids, jax.tree.leaves(batch)[0].shape[0], layout)
+        if self.spec.coupled:
+            loss, grads, aux = coupled.global_value_and_grads(
+                self.spec,
+                structure,
+                arrays,
+                batch,
+                key,
+                ids,
+                microbatches=self.microbatches,
+                microbatched=lambda x: layout.microbatched(x, self.microbatches),
+                unmicrobatched=layout.unmicrobatched,
+                constrain_grads=constrain_grads,
+            )
+            return loss, grads, aux, jnp.ones((), jnp.float32)
         dtypes = [jnp.result_type(a) for a in structure.diff_of(arrays)]
         if self.microbatches == 1:  # one pass: the division by the weight seeds the backward
             (loss, weight, grads), aux = sums.example_sums(

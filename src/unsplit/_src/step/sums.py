@@ -32,11 +32,21 @@ LossFn = Callable[[Any, Any, jax.Array], Any]
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-    """The user's one-example loss and how to read its output."""
+    """The user's one-example loss and how to read its output.
+
+    With ``batch_loss`` (a loss that couples examples, :mod:`unsplit._src.step.coupled`),
+    ``loss_fn`` is the one-example *features* function and ``has_aux`` refers to
+    ``batch_loss``'s output.
+    """
 
     loss_fn: LossFn
     weighted: bool = False
     has_aux: bool = False
+    batch_loss: Callable[[Any, Any], Any] | None = None
+
+    @property
+    def coupled(self) -> bool:
+        return self.batch_loss is not None
 
 
 def is_array(x: Any) -> bool:

@@ -1,0 +1,112 @@
+"""Bitwise mode with ``batch_loss``: bit-identical across schedules, close to the formula.
+
+The CLIP-style model of ``unsplit/_src/step/coupled_test.py`` (two towers with
+dropout, in-batch negatives, a learnable temperature used only by the batch loss).
+"""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import unsplit
+from unsplit._src import test_util as testing
+
+pytestmark = pytest.mark.xdist_group("bitwise")
+CHUNK = 4  # 32 examples over 8 devices: 4 each
+KEY = testing.CLIP_KEY
+
+
+def mesh_of(devices):
+    return None if devices == 1 else jax.make_mesh((devices,), ("data",))
+
+
+@functools.cache
+def formula():
+    return testing.clip_reference(testing.clip_params(), testing.clip_batch(), KEY)
+
+
+def run(devices, microbatches, *, params=None, has_aux=False, mesh=None):
+    step = unsplit.value_and_grad(
+        testing.clip_features,
+        batch_loss=testing.clip_batch_loss_with_aux if has_aux else testing.clip_batch_loss,
+        has_aux=has_aux,
+        microbatches=microbatches,
+        mesh=mesh if mesh is not None else mesh_of(devices),
+        bitwise=True,
+        chunk_size=CHUNK,
+    )
+    return step(params if params is not None else testing.clip_params(), testing.clip_batch(), KEY)
+
+
+@functools.cache
+def reference():
+    return run(1, 1)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_grid_is_bit_identical_and_close_to_the_formula(devices, microbatches):
+    out = run(devices, microbatches)
+    assert testing.bits_equal(out, reference())
+    testing.clip_close(out, formula())
+
+
+def test_fsdp_params_give_the_same_bits():
+    mesh = jax.make_mesh((8,), ("data",))
+
+    def place(path, x):
+        spec = P("data") if path[-1].key == "w1" else P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    params = jax.tree_util.tree_map_with_path(place, testing.clip_params())
+    loss, grads = run(8, 1, params=params, mesh=mesh)
+    assert testing.bits_equal((loss, grads), reference())
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=True):
+        assert g.sharding == p.sharding
+
+
+def test_has_aux_is_bit_identical():
+    (l1, a1), g1 = run(1, 1, has_aux=True)
+    (l8, a8), g8 = run(8, 2, has_aux=True)
+    assert testing.bits_equal((l1, a1, g1), (l8, a8, g8))
+    assert testing.bits_equal((l1, g1), reference())
+
+
+def test_bitwise_train_step_gives_the_same_params_for_every_schedule():
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    ends = []
+    for devices, microbatches in [(1, 1), (8, 1), (2, 4)]:
+        step = unsplit.value_and_grad(
+            testing.clip_features,
+            batch_loss=testing.clip_batch_loss,
+            microbatches=microbatches,
+            mesh=mesh_of(devices),
+            bitwise=True,
+            chunk_size=CHUNK,
+        )
+        train = unsplit.bitwise_train_step(step, optimizer)
+        params = testing.clip_params()
+        state = optimizer.init(params)
+        for i in range(2):
+            key = jax.random.fold_in(KEY, i)
+            _, params, state = train(params, state, testing.clip_batch(), key)
+        ends.append(jax.tree.map(np.asarray, params))
+    assert testing.bits_equal(ends[0], ends[1])
+    assert testing.bits_equal(ends[0], ends[2])
+
+
+def test_tensor_parallel_is_refused_with_a_fix():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+
+    def place(path, x):
+        spec = P(None, "model") if path[-1].key == "w1" else P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    params = jax.tree_util.tree_map_with_path(place, testing.clip_params())
+    with pytest.raises(NotImplementedError, match=r"tensor parallel.*Fix"):
+        run(4, 1, params=params, mesh=mesh)

@@ -1,0 +1,47 @@
+"""examples/train_clip.py: the contrastive loss curve does not depend on the schedule."""
+
+import importlib.util
+import pathlib
+import sys
+
+import jax
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_clip.py"
+
+
+@pytest.fixture(autouse=True)
+def standard_promotion():
+    with jax.numpy_dtype_promotion("standard"):  # user code (optax), not the tests' strict mode
+        yield
+
+
+@pytest.fixture(scope="module")
+def train_clip():
+    spec = importlib.util.spec_from_file_location("train_clip", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_clip"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("train_clip", None)
+
+
+@pytest.mark.parametrize("bitwise", [[], ["--bitwise"]])
+def test_devices_and_microbatches_give_the_one_device_curve(train_clip, capsys, bitwise):
+    assert train_clip.main(["--devices", "4", "--microbatches", "2", "--steps", "3", *bitwise]) == 0
+    out = capsys.readouterr().out
+    assert "bit-identical curves: True" in out or not bitwise
+    assert "largest relative difference" in out
+
+
+@pytest.mark.multiprocess
+def test_two_processes_give_the_one_device_curve(train_clip, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(SCRIPT.parent))
+    argv = ["--devices", "2", "--processes", "2", "--microbatches", "1", "--steps", "2"]
+    assert train_clip.main(argv) == 0
+    assert "largest relative difference" in capsys.readouterr().out
+
+
+def test_a_batch_that_does_not_split_is_refused(train_clip, capsys):
+    assert train_clip.main(["--batch", "30", "--devices", "4"]) == 2
+    assert "must be a multiple" in capsys.readouterr().err
