@@ -26,7 +26,7 @@ import optax
 
 from unsplit._src.canonical_update import CanonicalUpdate
 from unsplit._src.step import validate
-from unsplit._src.value_and_grad import Step
+from unsplit._src.value_and_grad import Step, memory_hint
 
 
 def train_step(step: Step, optimizer: optax.GradientTransformation | None = None) -> Callable:
@@ -111,13 +111,17 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
             return out, update_state(state, grads)
 
         return _Train(
-            optimizer, jax.jit(fused, donate_argnums=(0, 1)), jax.jit(fused_state, donate_argnums=0)
+            step,
+            optimizer,
+            jax.jit(fused, donate_argnums=(0, 1)),
+            jax.jit(fused_state, donate_argnums=0),
         )
 
     # Bitwise: the update too is one program on whole arrays, whatever the schedule.
     bitwise = _BitwiseTrain(step)
     mesh = step.engine.layout.mesh
     return _Train(
+        step,
         optimizer,
         functools.partial(bitwise, CanonicalUpdate(update, mesh, outputs=2)),
         functools.partial(
@@ -135,12 +139,17 @@ def is_train_state(x: Any) -> bool:
 class _Train:
     """``train(params, opt_state, batch, key, ids=None)`` or ``train(state, batch, key, ids=None)``."""
 
-    def __init__(self, optimizer, with_trees: Callable, with_state: Callable):
+    def __init__(self, step: Step, optimizer, with_trees: Callable, with_state: Callable):
+        self.step = step
         self.optimizer = optimizer
         self.with_trees = with_trees
         self.with_state = with_state
 
     def __call__(self, *args, **kwargs):
+        with memory_hint(self.step):  # the first call's compiles and transfers too
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         if args and is_train_state(args[0]):
             state = args[0]
             if self.optimizer is not None and state.tx is not self.optimizer:
@@ -181,6 +190,7 @@ class _BitwiseTrain:
         if params is not self._returned or self._state is None or self._state[0] != signature:
             state, params = step.engine.prepare(params, batch, key)
             self._state = (signature, state)
+        batch = step.engine.place_batch(batch)
         loss, grads, aux, weight = self._state[1].run(params, batch, key, ids)
         if step.checked:
             validate.check_result(loss, weight)

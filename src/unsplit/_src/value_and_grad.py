@@ -10,6 +10,7 @@ the same function of ``(params, global batch, ids, key)``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -248,6 +249,8 @@ class Step:
         :mod:`unsplit._src.step.default`). The first call also audits the loss
         (see ``audit=``). ``step(...)`` runs this first.
         """
+        if self.bitwise:
+            validate.refuse_bitwise_in_jit(params, batch, key, ids)
         ids = self._checked(params, batch, key, ids)
         self._audit_once(params, batch, key)
         return ids
@@ -307,11 +310,9 @@ class Step:
         return self._impl.lower(params, batch, key, self._checked(params, batch, key, ids))
 
     def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
-        ids = self.check_inputs(params, batch, key, ids)
-        try:
+        with memory_hint(self):  # also the first call's transfers and compiles
+            ids = self.check_inputs(params, batch, key, ids)
             loss, grads, aux, weight = self._impl(params, batch, key, ids)
-        except jax.errors.JaxRuntimeError as e:
-            raise _with_memory_hint(e, self) from e
         if self.checked:
             validate.check_result(loss, weight)
         if self.has_aux:
@@ -335,13 +336,19 @@ def _check_batch_loss(batch_loss: Any, weighted: bool) -> None:
         )
 
 
-def _with_memory_hint(error: Exception, step: Step) -> Exception:
-    text = str(error)
-    if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
-        return error
-    return type(error)(
-        f"{text}\n\nunsplit: the step ran out of device memory. Activation memory grows with "
-        f"the examples each device processes at once (now {step.microbatches} microbatch(es) "
-        "per device). Fix: raise microbatches=... (the result does not change), add devices "
-        "to the batch axes, or shard the params (FSDP / tensor parallel)."
-    )
+@contextlib.contextmanager
+def memory_hint(step: Step):
+    """Out-of-memory errors raised inside get the microbatches hint; others pass unchanged."""
+    try:
+        yield
+    except Exception as error:
+        text = str(error)
+        if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
+            raise
+        raise type(error)(
+            f"{text}\n\nunsplit: the step ran out of device memory. Activation memory grows "
+            f"with the examples each device processes at once (now {step.microbatches} "
+            "microbatch(es) per device). Fix: raise microbatches=... (the result does not "
+            "change), add devices to the batch axes, or shard the params (FSDP / tensor "
+            "parallel)."
+        ) from error

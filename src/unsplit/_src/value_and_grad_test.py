@@ -379,3 +379,42 @@ def test_settings_are_validated_at_construction():
         unsplit.value_and_grad(masked_loss, mesh=jax.make_mesh((2,), ("data",)), batch_axes="model")
     with pytest.raises(ValueError, match=r"names mesh axes, but mesh=None"):
         step_lib.value_and_grad(masked_loss, batch_axes="data")
+
+
+def test_traced_ids_into_a_bitwise_step_get_the_jit_error():
+    step = unsplit.value_and_grad(masked_loss, bitwise=True)
+    with pytest.raises(TypeError, match=r"cannot run inside jax.jit.*Fix: use train = unsplit"):
+        jax.jit(lambda ids: step(W3, X8, KEY0, ids))(jnp.arange(8))
+
+
+def test_a_batch_on_a_bigger_mesh_is_moved_in_bitwise_mode_too():
+    big = jax.make_mesh((8,), ("data",))
+    small = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    batch = jax.device_put(np.ones((16, 3), np.float32), NamedSharding(big, P("data")))
+    step = unsplit.value_and_grad(masked_loss, mesh=small, bitwise=True, chunk_size=2)
+    reference = step(W3, np.ones((16, 3), np.float32), KEY0)
+    with pytest.warns(UserWarning, match=r"batch is not placed on the step's mesh"):
+        out = step(W3, batch, KEY0)
+    assert unsplit.testing.bits_equal(out, reference)
+
+
+@pytest.mark.parametrize("mesh", [None, "data"])
+def test_numpy_batches_of_a_seen_shape_do_not_retrace(mesh):
+    traces = []
+
+    def counting(w, ex, key):
+        traces.append(1)
+        return masked_loss(w, ex["x"].astype(jnp.float32), key) + 0.0 * jnp.sum(ex["t"]).astype(
+            jnp.float32
+        )
+
+    mesh = jax.make_mesh((8,), ("data",)) if mesh else None
+    step = unsplit.value_and_grad(counting, mesh=mesh, microbatches=2)
+
+    def batch(scale):  # new NumPy arrays each call: float64 and int64, as a data loader gives
+        return {"x": np.ones((16, 3)) * scale, "t": np.arange(32).reshape(16, 2)}
+
+    step(W3, batch(1.0), KEY0)
+    first = len(traces)
+    step(W3, batch(2.0), jax.random.key(9))
+    assert len(traces) == first

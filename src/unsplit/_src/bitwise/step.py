@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
 import sys
+import warnings
 import weakref
 from typing import Any
 
@@ -63,9 +65,16 @@ def _shared(spec: sums.LossSpec) -> dict:
 class BitwiseStep:
     """Runs a :class:`~unsplit._src.value_and_grad.Step` in bitwise mode."""
 
-    def __init__(self, spec: sums.LossSpec, layout: Layout, chunk_size: Any):
+    def __init__(self, spec: sums.LossSpec, layout: Layout, chunk_size: Any, chunk_axes: Any = None):
         self.spec = spec
         self.chunk_size = bitwise_plan.check_chunk_size(chunk_size)
+        self.chunk_axes = bitwise_plan.check_chunk_axes(chunk_axes, layout.batch_axes)
+        if self.chunk_axes and spec.coupled:
+            raise NotImplementedError(
+                f"bitwise=True with batch_loss runs each chunk on one device; got "
+                f"chunk_axes={chunk_axes!r}. Fix: drop chunk_axes (params sharded over the batch "
+                "axes are then gathered whole on each device), or use bitwise=False."
+            )
         if layout.mesh is None:  # one device: a one-device mesh, the same programs
             device = jax.local_devices()[0]
             layout = Layout(Mesh(np.array([device]), ("batch",)), ("batch",))
@@ -77,12 +86,28 @@ class BitwiseStep:
         self._plans: dict[Any, Any] = {}
         self._warned: set[str] = set()
 
+    @property
+    def chunk_split(self) -> int:
+        """How many devices compute each chunk together (the chunk axes'; 1 without)."""
+        return math.prod(self.layout.mesh.shape[a] for a in self.chunk_axes)
+
     def chunk(self, batch: int) -> int:
-        return self.chunk_size or default_chunk_size(batch)
+        """The chunk size: given, else the default for ``batch`` made a multiple of the
+        chunk axes' devices (a function of the batch size and the group size only)."""
+        if self.chunk_size:
+            return self.chunk_size
+        chunk = default_chunk_size(batch)
+        return math.lcm(chunk, self.chunk_split)
 
     def __call__(self, params, batch, key, ids):
         state, params = self.prepare(params, batch, key)
-        return state.run(params, batch, key, ids)
+        return state.run(params, self.place_batch(batch), key, ids)
+
+    def place_batch(self, batch):
+        """A batch committed outside the step's mesh, moved onto it (warned once), as default
+        mode does; a batch already there, or on the host, is returned as it is."""
+        layout = self.layout
+        return move_onto(batch, layout, lambda x: P(layout.batch_entry), "batch", self._warned)
 
     def prepare(self, params, batch, key) -> tuple[_Compiled, Any]:
         """The compiled programs for these inputs, and the params placed on the mesh.
@@ -91,15 +116,7 @@ class BitwiseStep:
         shardings and placement); :func:`unsplit.bitwise_train_step` skips it
         when it gets back the params it returned.
         """
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, batch, key))):
-            raise TypeError(
-                "bitwise=True cannot run inside jax.jit (or another transformation): its "
-                "chunk programs must be compiled on their own, because XLA compiles the same "
-                "computation inside a multi-device program into other bits (docs/bitwise.md). "
-                "Fix: use train = unsplit.bitwise_train_step(step, optimizer), which runs the "
-                "step and a jitted, donated optimizer update in one call; or call the step "
-                "outside jit."
-            )
+        validate.refuse_bitwise_in_jit(params, batch, key)
         layout = self.layout
         params = move_onto(
             params, layout, lambda x: named_spec(x, layout.mesh), "params", self._warned
@@ -123,15 +140,32 @@ class BitwiseStep:
         if state is None:
             self._check_schedule(size, chunk)
             plan, _ = bitwise_plan.make_plan(
-                self.spec, self.layout, params, batch, key, size, chunk
+                self.spec, self.layout, params, batch, key, size, chunk, self.chunk_axes
             )
+            self._warn_gathered(plan)
             state = (_CoupledCompiled if self.spec.coupled else _Compiled)(self, plan)
             self._plans[signature] = state
         return state
 
     def _check_schedule(self, size: int, chunk: int) -> None:
-        groups = self.layout.shards
+        split = self.chunk_split
+        if chunk % split:
+            raise ValueError(
+                f"bitwise mode with chunk_axes={self.chunk_axes} splits each chunk's rows over "
+                f"the {split} devices of those axes: expected chunk_size a multiple of {split}, "
+                f"got chunk_size={chunk}. Fix: pass chunk_size={math.lcm(chunk, split)} (or "
+                f"another multiple of {split}; the same one for every schedule you compare)."
+            )
+        groups = self.layout.shards // split
         share = size // groups  # the step has checked that the batch axes divide the batch
+        if share % chunk and split > 1:
+            raise ValueError(
+                f"bitwise mode needs each device group's share of the batch to be a whole "
+                f"number of chunks: batch {size} over {groups} group(s) of {split} device(s) "
+                f"(chunk_axes={self.chunk_axes}) is {share} examples each, not a multiple of "
+                f"chunk_size={chunk}. Fix: pass a chunk_size that divides {share} and is a "
+                f"multiple of {split}, or use a bigger batch."
+            )
         if share % chunk:
             raise ValueError(
                 f"bitwise mode needs each device's share of the batch to be a whole number of "
@@ -140,6 +174,34 @@ class BitwiseStep:
                 f"{share} (the same one for every schedule you compare: it fixes the bits), or "
                 "use fewer devices for the batch."
             )
+
+    def _warn_gathered(self, plan: bitwise_plan.Plan) -> None:
+        """Once: params sharded over batch axes gathered whole on each device, and large."""
+        if "gathered" in self._warned:
+            return
+        outer = [a for a in self.layout.batch_axes if a not in self.chunk_axes]
+        if not any(partition.spec_axes(s) & set(outer) for s in plan.specs):
+            return
+        size = sum(
+            n * np.dtype(d).itemsize
+            for n, d in zip(plan.params_flat.lengths, plan.params_flat.vectors, strict=True)
+        )
+        if size <= GATHERED_WARN_BYTES:
+            return
+        self._warned.add("gathered")
+        warnings.warn(
+            f"bitwise mode gathers the params sharded over the batch axes {tuple(outer)} whole "
+            f"on every device: {size / 2**30:.1f} GiB per device (plus as much again for the "
+            "partial sums). Fix: chunk_axes= names batch axes whose devices compute each chunk "
+            "together with the params kept sharded over them (FSDP groups), e.g. "
+            f"value_and_grad(..., bitwise=True, batch_axes=('data', 'fsdp'), "
+            "chunk_axes='fsdp'); see docs/bitwise.md.",
+            stacklevel=4,
+        )
+
+
+# Bitwise mode warns once when params gathered over the batch axes exceed this, per device.
+GATHERED_WARN_BYTES = 2**30
 
 
 class _Compiled:
@@ -174,7 +236,7 @@ class _Compiled:
         self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
         self.executables: dict[int, Any] = {}
         gentry = partition.entry(plan.group_axes)
-        self.slots_sharding = NamedSharding(plan.compute, P(owner.layout.batch_entry, None, gentry))
+        self.slots_sharding = NamedSharding(plan.compute, P(plan.outer_entry, None, gentry))
         self.total_sharding = NamedSharding(mesh, P(gentry))
         self.same_mesh = plan.compute.devices.size == mesh.devices.size
 
@@ -195,10 +257,17 @@ class _Compiled:
             done = [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
             outs[g] = [chunk_sums for chunk_sums, _ in done]
             if self.owner.spec.has_aux:
-                auxes[g] = programs.concat_rows([aux for _, aux in done])
+                auxes[g] = self._concat([aux for _, aux in done], g)
         loss, grads, weight = self.unpack(self._total(outs))
         aux = self._aux(auxes) if self.owner.spec.has_aux else None
         return loss, grads, aux, weight
+
+    def _concat(self, parts, g: int):
+        """A group's chunks' aux in row order (FSDP groups: each device its block of rows)."""
+        if not self.plan.chunk_axes:
+            return programs.concat_rows(parts)
+        entry = partition.entry(self.plan.chunk_axes)
+        return programs.row_concat(NamedSharding(self.plan.group_mesh(g), P(entry)))(parts)
 
     def _inputs(self, params, batch, ids, key) -> dict:
         """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices."""
@@ -211,10 +280,13 @@ class _Compiled:
         for g in self.local_groups:
             gmesh = plan.group_mesh(g)
             devices = list(plan.group_devices(g).flat)
-            place = _Placer(gmesh, devices, g * rows, rows)
+            place = _Placer(gmesh, devices, g * rows, rows, plan.chunk_axes)
             group_vectors = [place.flat(v, by_device[i]) for i, v in enumerate(vectors)]
             group_rows = (jax.tree.map(place.rows, batch), place.rows(hi), place.rows(lo))
-            chunks = programs.split_chunks(group_rows, plan.chunk)
+            if plan.chunk_axes:
+                chunks = programs.chunk_splitter(plan.chunk, place.split)(group_rows)
+            else:
+                chunks = programs.split_chunks(group_rows, plan.chunk)
             inputs[g] = (group_vectors, chunks, place.whole(key))
         return inputs
 
@@ -307,6 +379,7 @@ class _Compiled:
             plan.sums_flat,
             plan.local_specs,
             plan.group_axes,
+            plan.chunk_axes,
             devices.shape,
             tuple(d.id for d in devices.flat),
             treedef,
@@ -317,7 +390,9 @@ class _Compiled:
         """The groups' per-example aux, as global arrays in global-batch order."""
         plan = self.plan
         size = plan.chunks * plan.chunk
-        sharding = NamedSharding(plan.compute, P(self.owner.layout.batch_entry))
+        sharding = NamedSharding(
+            plan.compute, P(partition.entry((*plan.layout.batch_axes, *plan.chunk_axes)))
+        )
         per_group = [outputs[g] for g in self.local_groups]
 
         def assemble(*leaves):
@@ -419,9 +494,20 @@ class _CoupledCompiled(_Compiled):
 class _Placer:
     """Puts a group's inputs on its devices: its rows of the batch, the whole key, its params."""
 
-    def __init__(self, gmesh: Mesh, devices: list, start: int, rows: int):
+    def __init__(self, gmesh: Mesh, devices: list, start: int, rows: int, chunk_axes=()):
         self.gmesh, self.devices, self.start, self.rows_n = gmesh, devices, start, rows
         self.replicated = NamedSharding(gmesh, P())
+        self.chunk_axes = tuple(chunk_axes)
+        # FSDP groups: the group's rows split over the chunk axes in order (as the batch
+        # comes), and each chunk split the same way (``split``).
+        self.split = NamedSharding(gmesh, P(partition.entry(self.chunk_axes)))
+        pieces = math.prod(gmesh.shape[a] for a in self.chunk_axes) if self.chunk_axes else 1
+        self.piece = rows // pieces
+        if self.chunk_axes:
+            index = self.split.devices_indices_map((rows,))
+            self.starts = {d: start + (index[d][0].start or 0) for d in devices}
+        else:
+            self.starts = {d: start for d in devices}
 
     def flat(self, vector, by_device):
         shards = [by_device[d] for d in self.devices]
@@ -438,14 +524,16 @@ class _Placer:
             found = {}
             for s in x.addressable_shards:
                 lo = s.index[0].start or 0
-                if lo == self.start and s.data.shape[0] == self.rows_n:
-                    found[s.device] = s.data
+                if s.device in self.starts and lo == self.starts[s.device]:
+                    if s.data.shape[0] == self.piece:
+                        found[s.device] = s.data
             if all(d in found for d in self.devices):
                 pieces = [found[d] for d in self.devices]
                 if len(pieces) == 1:
                     return self.one_device(pieces[0])
+                sharding = self.split if self.chunk_axes else self.replicated
                 return jax.make_array_from_single_device_arrays(
-                    pieces[0].shape, self.replicated, pieces
+                    (self.rows_n, *pieces[0].shape[1:]), sharding, pieces
                 )
             if not x.is_fully_addressable:
                 raise ValueError(
@@ -456,7 +544,7 @@ class _Placer:
         host = np.asarray(x[self.start : stop])
         if len(self.devices) == 1:
             return jax.device_put(host, self.devices[0])
-        return jax.device_put(host, self.replicated)
+        return jax.device_put(host, self.split if self.chunk_axes else self.replicated)
 
     def one_device(self, x):
         """``x`` as a plain one-device array: a one-device mesh's shard can still be typed by

@@ -158,7 +158,7 @@ def test_numpy_integer_settings_are_accepted():
 
 def test_refuses_to_run_inside_jit_and_names_the_train_step():
     step = unsplit.value_and_grad(WEIGHTED, weighted=True, bitwise=True)
-    with pytest.raises(TypeError, match=r"cannot run inside jax.jit.*bitwise_train_step"):
+    with pytest.raises(TypeError, match=r"cannot run inside jax.jit.*unsplit.train_step"):
         jax.jit(step)(PARAMS, BATCH, KEY)
 
 

@@ -26,6 +26,19 @@ def is_traced(*trees: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for t in trees for leaf in jax.tree.leaves(t)[:1])
 
 
+def refuse_bitwise_in_jit(*trees: Any) -> None:
+    """A bitwise step called on traced values (inside ``jax.jit``): a clear error, whichever
+    argument is traced (params, batch, key or ids)."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees)):
+        raise TypeError(
+            "bitwise=True cannot run inside jax.jit (or another transformation): its "
+            "chunk programs must be compiled on their own, because XLA compiles the same "
+            "computation inside a multi-device program into other bits (docs/bitwise.md). "
+            "Fix: use train = unsplit.train_step(step, optimizer), which runs the step and "
+            "the optimizer update in one call; or call the step outside jit."
+        )
+
+
 def check_callable(loss_fn: Any) -> None:
     if not callable(loss_fn):
         raise TypeError(
