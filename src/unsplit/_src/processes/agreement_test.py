@@ -81,13 +81,9 @@ def test_every_item_of_a_step_has_its_fix():
     )
     assert set(items) <= set(agreement.STEP_FIXES)
     assert items["batch values"] == {"['x']": agreement.tree_items("b", batch)["b values"]["['x']"]}
-    # A bitwise step also agrees on what its bits depend on: versions, backend, XLA flags.
-    bitwise = agreement.step_items({**settings, "bitwise": True}, {"w": np.ones(3)}, batch,
-                                   jax.random.key(0), np.arange(4))  # fmt: skip
-    assert set(bitwise) - set(items) == {
-        f"bits: {s}" for s in ("jax", "jaxlib", "backend", "device kind", "xla flags")
-    }
-    assert set(bitwise) <= set(agreement.STEP_FIXES)
+    # Every step also agrees on what bits depend on: versions, backend, device kind, XLA flags.
+    assert set(items["process settings"]) == {"jax", "jaxlib", "backend", "device kind",
+                                              "xla flags"}  # fmt: skip
 
 
 def test_fingerprint_sees_one_bit_and_is_the_same_on_any_device_and_sharding():

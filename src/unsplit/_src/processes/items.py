@@ -146,9 +146,8 @@ STEP_FIXES = {
     "mesh": "pass the same mesh on every process, e.g. jax.make_mesh((jax.device_count(),), "
     "('data',)) everywhere",
     "step key": KEY_FIX,
-    **{f"bits: {s}": "run every process with the same JAX and jaxlib, backend, accelerator model "
-       "and XLA_FLAGS (docs/bitwise.md, Process settings: what must match)"
-       for s in ("jax", "jaxlib", "backend", "device kind", "xla flags")},
+    "process settings": "run every process with the same JAX and jaxlib, backend, accelerator "
+    "model and XLA_FLAGS (docs/bitwise.md, Process settings: what must match)",
     "params structure": _SAME_MODEL,
     "params shapes and dtypes": _SAME_MODEL,
     "params shardings": "place the params with the same shardings on every process",
@@ -170,8 +169,9 @@ def step_items(settings: Mapping[str, Any], params, batch, key, ids=None) -> dic
     ``fixes=STEP_FIXES``.
     """
     items = {**settings, "step key": key, **tree_items("params", params)}
-    if settings.get("bitwise"):  # what a bitwise step's bits depend on, besides its inputs
-        items.update({f"bits: {k}": v for k, v in fingerprint.bits_settings().items()})
+    # What the bits depend on besides the inputs (versions, backend, XLA flags): every mode,
+    # so processes that disagree only on bitwise= are told just that.
+    items["process settings"] = fingerprint.bits_settings()
     items.update(tree_items("batch", batch))
     items.update(tree_items("ids", ids) if ids is not None else {"ids": "positions (ids=None)"})
     return items
