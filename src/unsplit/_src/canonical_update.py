@@ -4,9 +4,9 @@
 sharding: XLA compiles the elementwise math for other shard shapes (other
 vector tails, other fusions) and reduces norms (``clip_by_global_norm``,
 Adafactor's factored statistics, LAMB's trust ratios) in an order that depends
-on the layout. Measured: AdamW on FSDP params gave other bits on 1 and 2
-devices after one step. :class:`CanonicalUpdate` runs the update as one
-program whose inputs do not depend on the schedule: the whole params, grads
+on the layout (docs/bitwise.md has the measurement). :class:`CanonicalUpdate`
+runs the update as one program whose inputs do not depend on the schedule: the
+whole params, grads
 and optimizer state (gathered: exact data movement), on one device per
 process, compiled for one device; then each result goes back to the sharding
 its input had (exact slicing). The same program on the same values gives the

@@ -6,7 +6,7 @@ which runs the dots that the XNNPACK/YNNPACK library path does not take (the
 weight-gradient dots, whose LHS contracts dimension 0), splits a dot's
 contraction by ``T`` at run time: the same compiled program gives other bits in
 a process with another ``T`` -- e.g. a one-device step in a process started with
-8 simulated devices and in a process with 1 (measured: grads rel 1.5e-7).
+8 simulated devices and in a process with 1 (docs/bitwise.md has the measurement).
 
 Two things together make the bits independent of ``T`` (``docs/bitwise.md``;
 tested with ``T`` = 1 and 16 in fresh processes):
@@ -166,7 +166,7 @@ def _dims(line: str, name: str) -> set[int]:
 
 def _is_vector_product(line: str, shapes: dict[str, list[int]]) -> bool:
     """A dot where one side has no free elements beyond 1: XLA emits it as an LLVM IR
-    loop (matrix-vector), not on Eigen's thread pool (measured: same bits for T=1, 16)."""
+    loop (matrix-vector), not on Eigen's thread pool (the same bits at any thread count)."""
     operands = _OPERANDS.search(line)
     if not operands or any(o not in shapes for o in operands.groups()):
         return False
