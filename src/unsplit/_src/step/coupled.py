@@ -110,7 +110,7 @@ def features_of(
         params = structure.merge(structure.with_diff(arrays, diff_arrays))
         with state_guard.watch(params, structure) as guard:
             out = spec.loss_fn(params, example, example_key)
-        guard.check()
+        guard.check(returned=out)
         return check_features(out)
 
     keys = keys_lib.example_keys(key, ids)

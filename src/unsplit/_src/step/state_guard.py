@@ -45,6 +45,7 @@ class _Guard:
         self.params = params
         self.before = _inexact_leaves(params)
         self.linen_updates: list[tuple[str, str, str]] = []  # (module path, class, collection)
+        self.updated: dict[tuple[str, str, str], list[Any]] = {}  # each update's new values
 
     def intercept(self, next_fun, args, kwargs, context):
         module = context.module
@@ -59,18 +60,30 @@ class _Guard:
                 item = (name, type(module).__name__, collection)
                 if item not in self.linen_updates:
                     self.linen_updates.append(item)
+                self.updated.setdefault(item, []).append(after[(collection, path)])
         return out
 
-    def check(self) -> None:
-        if self.linen_updates:
-            name, cls, collection = self.linen_updates[0]
+    def check(self, returned: Any = None) -> None:
+        """Raises on an update the call dropped; one it ``returned`` (e.g. in aux) is kept."""
+        kept = {id(x) for x in jax.tree.leaves(returned)}
+        dropped = [
+            item
+            for item in self.linen_updates
+            if not all(id(v) in kept for v in self.updated.get(item, []))
+        ]
+        if dropped:
+            name, cls, collection = dropped[0]
             raise DroppedStateError(
                 f"the {cls} layer {name!r} updates its {collection!r} collection inside the "
                 "per-example loss. unsplit calls loss_fn on ONE example at a time (vmapped), so "
                 "the new statistics would come from a single example and the update would be "
                 "dropped without a word. Fix: use a per-example normalization (nn.LayerNorm, "
                 "nn.GroupNorm, nn.RMSNorm), or freeze the statistics (BatchNorm("
-                "use_running_average=True), and do not pass mutable=[...] to apply)."
+                "use_running_average=True), and do not pass mutable=[...] to apply); for "
+                "statistics over the batch (ghost batches, running averages of the global "
+                "batch), make a group of rows one example and pool the statistics with "
+                "unsplit.value_and_grad(features_fn, batch_loss=...) (docs/coupled.md, "
+                "BatchNorm)."
             )
         after = _inexact_leaves(self.params)
         changed = [path for path, leaf in self.before.items() if after.get(path, leaf) is not leaf]

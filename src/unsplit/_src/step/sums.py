@@ -149,7 +149,7 @@ def example_sums(
         params = layout.merge(leaves)
         with state_guard.watch(params, layout) as guard:
             out = call_loss(spec, params, example, example_key)
-        guard.check()
+        guard.check(returned=out)
         return out
 
     def total(diff_arrays):
