@@ -269,3 +269,28 @@ def test_out_of_memory_on_the_first_call_gets_the_microbatches_hint(monkeypatch,
         train(init(), optimizer.init(init()), X, KEY)
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"ran out of device memory.*microbatches"):
         step(init(), X, KEY)
+
+
+def test_fsdp_group_runs_end_in_the_same_bits_for_every_data_parallel_degree():
+    # chunk_axes: params stay sharded over the FSDP group inside the chunk programs.
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    results = []
+    for data in (2, 1):
+        devices = np.array(jax.devices()[: data * 4]).reshape(data, 4)
+        mesh = jax.sharding.Mesh(devices, ("data", "fsdp"), axis_types=auto)
+        params = {
+            k: jax.device_put(v, NamedSharding(mesh, P("fsdp"))) for k, v in mlp_init().items()
+        }
+        optimizer = OPTIMIZERS["clip+adamw"]()
+        opt_state = optimizer.init(params)
+        step = unsplit.value_and_grad(
+            mlp_loss, mesh=mesh, batch_axes=("data", "fsdp"), bitwise=True, chunk_axes="fsdp",
+            chunk_size=4,
+        )  # fmt: skip
+        train = unsplit.train_step(step, optimizer)
+        for i in range(3):
+            _, params, opt_state = train(params, opt_state, MLP_X, jax.random.fold_in(KEY, i))
+        assert params["w1"].sharding.spec == P("fsdp")  # the layout is kept
+        results.append(jax.device_get((params, opt_state)))
+    assert unsplit.testing.bits_equal(results[0], results[1])
+    assert unsplit.testing.rel_l2(results[0][0], mlp_init()) > 1e-4  # it trained

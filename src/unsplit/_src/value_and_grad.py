@@ -38,6 +38,7 @@ def value_and_grad(
     batch_axes: str | tuple[str, ...] | None = None,
     bitwise: bool = False,
     chunk_size: int | None = None,
+    chunk_axes: str | tuple[str, ...] | None = None,
     audit: bool = False,
     checked: bool = False,
 ) -> Step:
@@ -72,7 +73,16 @@ def value_and_grad(
             microbatches, processes) schedule of the same global batch; see
             ``docs/bitwise.md``.
         chunk_size: bitwise mode's fixed unit of work, in examples (default:
-            depends on the global batch size only).
+            depends on the global batch size only; with ``chunk_axes``, made a
+            multiple of their device count).
+        chunk_axes: bitwise mode only: batch axes (a name or a tuple, each one
+            of ``batch_axes``, the last of them) whose devices compute each
+            chunk *together* (FSDP groups): params stay sharded over them, the
+            chunk's rows are split over the group, and the bits are fixed by
+            the group's size (like a model-parallel layout), not by the other
+            batch axes. Per-device memory then scales as params / group size.
+            Default ``None``: every device computes its chunks alone, with
+            params sharded over the batch axes gathered whole.
         audit: on the first call, run every per-example check of
             :func:`unsplit.audit` (by tracing, nothing runs) and raise
             :class:`unsplit.AuditError` on any finding that makes the step
@@ -125,6 +135,7 @@ def value_and_grad(
         batch_axes=batch_axes,
         bitwise=bitwise,
         chunk_size=chunk_size,
+        chunk_axes=chunk_axes,
         audit=audit,
         checked=checked,
     )
@@ -150,6 +161,7 @@ class Step:
         batch_axes: str | tuple[str, ...] | None = None,
         bitwise: bool = False,
         chunk_size: int | None = None,
+        chunk_axes: str | tuple[str, ...] | None = None,
         audit: bool = False,
         checked: bool = False,
     ):
@@ -176,8 +188,14 @@ class Step:
         if self.bitwise:
             from unsplit._src.bitwise import step as bitwise_lib
 
-            self._impl = bitwise_lib.BitwiseStep(self.spec, self.layout, chunk_size)
+            self._impl = bitwise_lib.BitwiseStep(self.spec, self.layout, chunk_size, chunk_axes)
         else:
+            if chunk_axes is not None:
+                raise ValueError(
+                    f"chunk_axes={chunk_axes!r} only applies with bitwise=True; got "
+                    "bitwise=False (default mode already computes with params sharded as "
+                    "given). Fix: drop chunk_axes, or pass bitwise=True."
+                )
             if chunk_size is not None:
                 raise ValueError(
                     f"chunk_size={chunk_size} only applies with bitwise=True; got bitwise=False. "
@@ -230,6 +248,7 @@ class Step:
         return {
             "mode": "bitwise" if self.bitwise else "default",
             "chunk_size": self.chunk_size,
+            "chunk_axes": getattr(getattr(self, "_impl", None), "chunk_axes", ()),
             "microbatches": self.microbatches,
             "weighted": self.weighted,
             "has_aux": self.has_aux,

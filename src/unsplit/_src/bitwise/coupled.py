@@ -30,19 +30,13 @@ from unsplit._src.step import coupled, sums
 
 
 def check_supported(plan: Plan) -> None:
-    """Bitwise coupled steps run one-device groups in one process (for now)."""
+    """Bitwise coupled steps run one-device groups (for now), in any number of processes."""
     if plan.group_axes:
         raise NotImplementedError(
             "bitwise=True with batch_loss runs each chunk on one device; got params sharded "
             f"over the model axes {plan.group_axes} (tensor parallel). Fix: use bitwise=False "
             "(same result within float rounding), or keep the params replicated or sharded "
             "over the batch axes (FSDP) only."
-        )
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            "bitwise=True with batch_loss runs in one process for now; got "
-            f"{jax.process_count()} processes. Fix: use bitwise=False (same result within "
-            "float rounding) for multi-process runs."
         )
 
 

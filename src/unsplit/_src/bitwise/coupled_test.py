@@ -110,3 +110,31 @@ def test_tensor_parallel_is_refused_with_a_fix():
     params = jax.tree_util.tree_map_with_path(place, testing.clip_params())
     with pytest.raises(NotImplementedError, match=r"tensor parallel.*Fix"):
         run(4, 1, params=params, mesh=mesh)
+
+
+def worker_coupled(microbatches: int):
+    """One of 2 processes x 2 devices: the bitwise coupled step over the 4 global devices."""
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    batch = testing.clip_batch()
+    rows = testing.CLIP_B // jax.process_count()
+    mine = jax.tree.map(lambda x: np.asarray(x)[jax.process_index() * rows :][:rows], batch)
+    global_rows, ids = unsplit.global_batch(mine, mesh)
+    step = unsplit.value_and_grad(
+        testing.clip_features, batch_loss=testing.clip_batch_loss_with_aux, has_aux=True,
+        microbatches=microbatches, mesh=mesh, bitwise=True, chunk_size=CHUNK,
+    )  # fmt: skip
+    out = step(testing.replicated(testing.clip_params(), mesh), global_rows, KEY, ids=ids)
+    return {"hex": testing.to_hex(jax.tree.map(testing.local_value, out))}
+
+
+@pytest.mark.multiprocess
+def test_two_processes_give_the_one_device_bits():
+    from unsplit._src.processes import launch
+
+    results = launch.run_local_processes(
+        "unsplit._src.bitwise.coupled_test:worker_coupled",
+        kwargs={"microbatches": 2},
+        timeout_s=240,
+    )
+    ref = jax.device_get(run(1, 1, has_aux=True))
+    assert results[0]["hex"] == results[1]["hex"] == testing.to_hex(ref)

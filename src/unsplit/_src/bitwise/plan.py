@@ -4,13 +4,16 @@ For a params layout and a global batch size the plan fixes:
 
 * the **chunk**: ``chunk_size`` examples, the unit every schedule computes with
   the same program; chunk ``c`` holds global rows ``[c * chunk_size, ...)``;
-* the **groups**: one per coordinate of the batch axes. A group is one device,
-  or -- when params are sharded over model axes (tensor parallel) -- the
-  devices of those axes, which run the chunk program as one SPMD program. The
-  mesh axes no param is sharded over play no part (the *compute mesh* leaves
-  them out), so replicated params on a 2-D mesh compute like one device;
-* the **flat plans**: each device's local blocks of the params (FSDP params
-  gathered over the batch axes) and of the partial sums, as flat vectors.
+* the **groups**: one per coordinate of the *outer* batch axes (the batch axes
+  not in ``chunk_axes``). A group is one device, or the devices of the
+  ``chunk_axes`` (FSDP groups: the chunk's rows split over them) and of the
+  model axes params are sharded over (tensor parallel), which run the chunk
+  program as one SPMD program. The mesh axes no param is sharded over play no
+  part (the *compute mesh* leaves them out), so replicated params on a 2-D mesh
+  compute like one device;
+* the **flat plans**: each device's local blocks of the params (params sharded
+  over outer batch axes gathered; sharded over group axes kept) and of the
+  partial sums, as flat vectors.
 """
 
 from __future__ import annotations
@@ -62,6 +65,41 @@ def check_chunk_size(chunk_size: Any) -> int | None:
     return int(chunk_size)
 
 
+def check_chunk_axes(chunk_axes: Any, batch_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """``chunk_axes`` as a tuple of batch axes, in ``batch_axes``' order (``()``: none).
+
+    They must be the last of the batch axes, so each group's rows are one
+    contiguous block of the global batch, split over the group in order.
+    """
+    if chunk_axes is None:
+        return ()
+    names = (chunk_axes,) if isinstance(chunk_axes, str) else chunk_axes
+    if not isinstance(names, tuple | list) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"chunk_axes must be a mesh axis name or a tuple of names; got {chunk_axes!r}. "
+            "Fix: e.g. chunk_axes='fsdp' (one of batch_axes)."
+        )
+    names = tuple(names)
+    unknown = [n for n in names if n not in batch_axes]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ValueError(
+            f"chunk_axes must be distinct batch axes; expected a subset of "
+            f"batch_axes={batch_axes}, got chunk_axes={chunk_axes!r}"
+            + (f" ({unknown} not in batch_axes)" if unknown else "")
+            + ". Fix: add the axis to batch_axes (the batch is split over the chunk axes "
+            "too), e.g. batch_axes=('data', 'fsdp'), chunk_axes='fsdp'."
+        )
+    ordered = tuple(a for a in batch_axes if a in names)
+    if batch_axes[len(batch_axes) - len(ordered) :] != ordered:
+        fixed = (*(a for a in batch_axes if a not in names), *ordered)
+        raise ValueError(
+            f"chunk_axes must be the last of the batch axes (each group's rows are then one "
+            f"block of the batch); got batch_axes={batch_axes}, chunk_axes={chunk_axes!r}. "
+            f"Fix: batch_axes={fixed} (the order of batch axes does not change the bits)."
+        )
+    return ordered
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything about a bitwise step that depends on the params layout and batch size."""
@@ -70,8 +108,10 @@ class Plan:
     structure: sums.Params
     specs: tuple[P, ...]  # each array leaf's PartitionSpec on the user's mesh (full length)
     given: tuple[P, ...]  # the same as the params had them (for the grads' shardings)
-    group_axes: tuple[str, ...]  # the model axes params are sharded over
-    compute: Mesh  # batch axes x group axes (unused axes at index 0)
+    group_axes: tuple[str, ...]  # chunk axes, then the model axes params are sharded over
+    chunk_axes: tuple[str, ...]  # the batch axes a chunk's rows are split over (FSDP groups)
+    outer_axes: tuple[str, ...]  # the compute mesh's axes that index the groups
+    compute: Mesh  # outer axes x group axes (unused axes at index 0)
     local_specs: tuple[P, ...]  # each leaf's spec inside its group (over group axes only)
     params_flat: FlatPlan  # one device's local blocks of every array leaf
     sums_flat: FlatPlan  # one device's local blocks of (grad sums..., loss_sum, weight)
@@ -88,10 +128,19 @@ class Plan:
     def group_size(self) -> int:
         return math.prod(self.compute.shape[a] for a in self.group_axes)
 
+    @property
+    def chunk_split(self) -> int:
+        """How many pieces a chunk's rows are split into (the chunk axes' devices)."""
+        return math.prod(self.compute.shape[a] for a in self.chunk_axes)
+
+    @property
+    def outer_entry(self) -> Any:
+        return partition.entry(self.outer_axes)
+
     def group_devices(self, g: int) -> np.ndarray:
-        """Group ``g``'s devices, shaped like the group axes (g: row-major over the batch axes)."""
+        """Group ``g``'s devices, shaped like the group axes (g: row-major over the outer axes)."""
         grid = np.asarray(self.compute.devices)
-        rest = grid.shape[len(self.layout.batch_axes) :]
+        rest = grid.shape[len(self.outer_axes) :]
         return np.asarray(grid.reshape(-1, *rest)[g], dtype=object).reshape(rest)
 
     def group_mesh(self, g: int) -> Mesh:
@@ -117,6 +166,7 @@ def make_plan(
     key: jax.Array,
     size: int,
     chunk: int,
+    chunk_axes: tuple[str, ...] = (),
 ) -> tuple[Plan, list[Any]]:
     """The plan for these inputs, and the params' array leaves (on the layout's mesh)."""
     structure, arrays = sums.Params.split(params)
@@ -127,18 +177,25 @@ def make_plan(
         for a in arrays
     )
     used = {n for s in specs for n in partition.spec_axes(s)}
-    group_axes = tuple(a for a in mesh.axis_names if a in used and a not in layout.batch_axes)
+    # A chunk axis of one device is no group: its groups are one device, as without it.
+    chunk_axes = tuple(a for a in chunk_axes if mesh.shape[a] > 1)
+    model = tuple(a for a in mesh.axis_names if a in used and a not in layout.batch_axes)
+    group_axes = (*chunk_axes, *model)
+    outer = tuple(a for a in layout.batch_axes if a not in chunk_axes)
     for path, s in zip(structure.paths, specs, strict=True):
         for e in s:
             names = partition.names(e)
-            if any(n in layout.batch_axes for n in names) and any(n in group_axes for n in names):
+            if any(n in outer for n in names) and any(n in group_axes for n in names):
+                what = "a model axis" if any(n in model for n in names) else "a chunk axis"
                 raise ValueError(
                     f"params{path} has PartitionSpec {s}: one dimension sharded over both a "
-                    f"batch axis and a model axis ({e}), which bitwise mode cannot gather "
+                    f"batch axis and {what} ({e}), which bitwise mode cannot gather "
                     "exactly per group. Fix: shard that dimension over the batch axes or over "
-                    "the model axes, or use different dimensions for each."
+                    f"the {'model' if what == 'a model axis' else 'chunk'} axes, or use "
+                    "different dimensions for each."
                 )
-    compute = _compute_mesh(mesh, layout.batch_axes, group_axes)
+    compute = _compute_mesh(mesh, outer, group_axes)
+    outer_axes = outer if outer else (_GROUPS,)
     local_specs = tuple(partition.keep_axes(s, group_axes) for s in specs)
     local_shapes = [
         NamedSharding(compute, ls).shard_shape(np.shape(a)) if group_axes else np.shape(a)
@@ -158,7 +215,7 @@ def make_plan(
     scalars = [jax.ShapeDtypeStruct((), loss_dtype), jax.ShapeDtypeStruct((), loss_dtype)]
     sums_flat = FlatPlan.of([*grads, *scalars])
     chunks = size // chunk
-    groups = math.prod(compute.shape[a] for a in layout.batch_axes)
+    groups = math.prod(compute.shape[a] for a in outer_axes)
     per_group = chunks // groups
     slots = max(_depth(g * per_group, per_group) for g in range(groups))
     plan = Plan(
@@ -167,6 +224,8 @@ def make_plan(
         specs=specs,
         given=given,
         group_axes=group_axes,
+        chunk_axes=chunk_axes,
+        outer_axes=outer_axes,
         compute=compute,
         local_specs=local_specs,
         params_flat=params_flat,
@@ -187,8 +246,15 @@ def _spec_on(x: Any, mesh: Mesh) -> P:
     return P(*([None] * np.ndim(x)))
 
 
+# The compute mesh's one-coordinate group axis when every batch axis is a chunk axis.
+_GROUPS = "_groups"
+
+
 def _compute_mesh(mesh: Mesh, batch_axes: tuple[str, ...], group_axes: tuple[str, ...]) -> Mesh:
-    """The mesh over ``batch_axes + group_axes`` (other axes at index 0), in that order."""
+    """The mesh over ``batch_axes + group_axes`` (other axes at index 0), in that order.
+
+    No ``batch_axes`` (one group): a leading axis ``_groups`` of size 1.
+    """
     names = list(mesh.axis_names)
     order = [names.index(a) for a in (*batch_axes, *group_axes)]
     rest = [i for i in range(len(names)) if i not in order]
@@ -196,7 +262,10 @@ def _compute_mesh(mesh: Mesh, batch_axes: tuple[str, ...], group_axes: tuple[str
     grid = grid[(Ellipsis, *([0] * len(rest)))] if rest else grid
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     axes = (*batch_axes, *group_axes)
-    return Mesh(grid, axes, axis_types=tuple(types[a] for a in axes))
+    axis_types = tuple(types[a] for a in axes)
+    if not batch_axes:
+        grid, axes, axis_types = grid[None], (_GROUPS, *axes), (axis_types[0], *axis_types)
+    return Mesh(grid, axes, axis_types=axis_types)
 
 
 def _depth(start: int, count: int) -> int:

@@ -6,21 +6,25 @@
 * FSDP (params sharded over the batch axis) gives the same bits as replicated
   params, and the grads come back with the params' shardings;
 * ``bitwise_train_step``: 50 Adam steps, jitted and donated, end in the same bits
-  on three schedules.
+  on three schedules;
+* FSDP groups (``chunk_axes``): the same bits for every data-parallel degree at the
+  same group size, errors, and the warning for large gathered params.
 """
 
 import functools
+import warnings
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
 from unsplit._src import test_util as testing
+from unsplit._src.bitwise import step as bitwise_step
 from unsplit._src.models import transformer as tf
 
 pytestmark = pytest.mark.xdist_group("bitwise")
@@ -182,3 +186,138 @@ def test_a_legacy_raw_key_gives_the_bits_of_the_wrapped_key_through_flax(bitwise
     keys = unsplit.example_keys(raw, jnp.arange(16))
     reference = jnp.mean(jax.vmap(loss_fn, in_axes=(None, 0, 0))(params, batch, keys))
     np.testing.assert_allclose(out[0], reference, rtol=1e-6)
+
+
+# ---- FSDP groups: chunk_axes ----
+# On a (data, fsdp=4) mesh with params sharded over ``fsdp`` and the batch over
+# ``("data", "fsdp")``, ``chunk_axes="fsdp"`` gives the same bits for every
+# data-parallel degree (data 1 and 2), microbatch count, and with ``fsdp`` the only
+# batch axis (one group); close to default mode; grads keep the params' shardings.
+# A group of another size may give other bits (documented in docs/bitwise.md, like
+# another model-parallel layout): not tested.
+
+GROUP_KEY = jax.random.fold_in(jax.random.key(0), 23)
+
+
+def grouped_aux(params, example, key):
+    loss_sum, weight = WEIGHTED(params, example, key)
+    return (loss_sum, weight), loss_sum
+
+
+def group_mesh(data, fsdp=4, names=("data", "fsdp")):
+    devices = np.array(jax.devices()[: data * fsdp]).reshape(data, fsdp)
+    return Mesh(devices, names, axis_types=(AUTO, AUTO))
+
+
+def group_placed(mesh, axis="fsdp"):
+    specs = testing.fsdp_specs(PARAMS, axis, mesh.shape[axis])
+    return testing.replicated(jax.tree.map(np.asarray, PARAMS), mesh, specs)
+
+
+@functools.cache
+def group_run(data, microbatches=1, batch_axes=("data", "fsdp"), bitwise=True):
+    mesh = group_mesh(data)
+    params = group_placed(mesh)
+    extra = {"bitwise": True, "chunk_axes": "fsdp"} if bitwise else {}
+    step = unsplit.value_and_grad(
+        grouped_aux,
+        weighted=True,
+        has_aux=True,
+        microbatches=microbatches,
+        mesh=mesh,
+        batch_axes=batch_axes,
+        **extra,
+    )
+    return step(params, BATCH, GROUP_KEY), params
+
+
+GROUP_SCHEDULES = [(1, 1, ("data", "fsdp")), (1, 2, ("data", "fsdp")), (1, 1, "fsdp")]
+
+
+@pytest.mark.parametrize("data,microbatches,batch_axes", GROUP_SCHEDULES)
+def test_fsdp_group_bits_do_not_depend_on_the_data_parallel_degree(data, microbatches, batch_axes):
+    reference, params = group_run(2)
+    out, _ = group_run(data, microbatches, batch_axes)
+    assert testing.bits_equal(out, reference)
+    # Grads keep the params' FSDP shardings.
+    assert any(p.sharding.spec[0] == "fsdp" for p in jax.tree.leaves(params))
+    for g, p in zip(jax.tree.leaves(reference[1]), jax.tree.leaves(params), strict=True):
+        assert g.sharding == p.sharding
+
+
+def test_fsdp_groups_are_close_to_default_mode():
+    (loss, aux), grads = group_run(2)[0]
+    (d_loss, d_aux), d_grads = group_run(2, bitwise=False)[0]
+    assert abs(float(loss) - float(d_loss)) <= 1e-5 * abs(float(d_loss))
+    assert testing.rel_l2(grads, d_grads) <= 1e-5
+    # aux in global-batch order, sharded like the batch.
+    np.testing.assert_allclose(np.asarray(aux), np.asarray(d_aux), rtol=1e-5)
+    assert aux.sharding.spec == P(("data", "fsdp"))
+
+
+def test_a_chunk_size_that_is_not_a_multiple_of_the_group_is_refused():
+    mesh = group_mesh(2)
+    step = unsplit.value_and_grad(
+        WEIGHTED, weighted=True, mesh=mesh, batch_axes=("data", "fsdp"), bitwise=True,
+        chunk_axes="fsdp", chunk_size=6,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"multiple of 4, got chunk_size=6.*chunk_size=12"):
+        step(group_placed(mesh), BATCH, GROUP_KEY)
+
+
+def test_the_default_chunk_is_a_multiple_of_the_group():
+    mesh = jax.make_mesh((1, 8), ("data", "fsdp"), axis_types=(AUTO, AUTO))
+    step = unsplit.value_and_grad(
+        WEIGHTED, weighted=True, mesh=mesh, batch_axes=("data", "fsdp"), bitwise=True,
+        chunk_axes="fsdp",
+    )  # fmt: skip
+    assert step.engine.chunk(4 * 8) == 8
+    assert step.engine.chunk(2 * 16) == 8
+    assert step.engine.chunk(8 * 3) == 8  # the batch's default 8 already is
+
+
+@pytest.mark.parametrize(
+    "batch_axes,chunk_axes,match",
+    [
+        (("data",), "fsdp", r"subset of batch_axes=\('data',\).*not in batch_axes"),
+        (("fsdp", "data"), "fsdp", r"last of the batch axes.*batch_axes=\('data', 'fsdp'\)"),
+        (("data", "fsdp"), 3, r"mesh axis name or a tuple"),
+    ],
+)
+def test_chunk_axes_must_be_the_last_batch_axes(batch_axes, chunk_axes, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        unsplit.value_and_grad(
+            WEIGHTED, mesh=group_mesh(2), batch_axes=batch_axes, bitwise=True, chunk_axes=chunk_axes
+        )
+
+
+def test_chunk_axes_need_bitwise_mode_and_a_per_example_loss():
+    with pytest.raises(ValueError, match="only applies with bitwise=True"):
+        unsplit.value_and_grad(WEIGHTED, mesh=group_mesh(2), chunk_axes="fsdp",
+                               batch_axes=("data", "fsdp"))  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"batch_loss.*Fix: drop chunk_axes"):
+        unsplit.value_and_grad(
+            testing.clip_features, batch_loss=testing.clip_batch_loss, mesh=group_mesh(2),
+            batch_axes=("data", "fsdp"), bitwise=True, chunk_axes="fsdp",
+        )  # fmt: skip
+
+
+def test_large_gathered_params_warn_once_and_point_to_chunk_axes(monkeypatch):
+    monkeypatch.setattr(bitwise_step, "GATHERED_WARN_BYTES", 1024)
+    mesh = group_mesh(1)
+    params = group_placed(mesh)
+    batch = jax.tree.map(lambda x: x[:8], BATCH)
+    step = unsplit.value_and_grad(
+        WEIGHTED, weighted=True, mesh=mesh, batch_axes=("data", "fsdp"), bitwise=True,
+        chunk_size=2,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="gathers the params.*chunk_axes='fsdp'"):
+        step(params, batch, GROUP_KEY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(params, jax.tree.map(lambda x: x[:16], BATCH), GROUP_KEY)  # once per step
+        grouped = unsplit.value_and_grad(
+            WEIGHTED, weighted=True, mesh=mesh, batch_axes=("data", "fsdp"), bitwise=True,
+            chunk_axes="fsdp", chunk_size=4,
+        )  # fmt: skip
+        grouped(params, batch, GROUP_KEY)  # params stay sharded: no warning

@@ -42,7 +42,8 @@ from unsplit._src.step import sums
 def pack_program(plan: Plan):
     """Params (any sharding on the user's mesh) -> each device's flat local blocks."""
     mesh = plan.layout.mesh
-    batch_axes = plan.layout.batch_axes
+    # Gathered over the outer batch axes; kept sharded over the chunk axes (FSDP groups).
+    batch_axes = tuple(a for a in plan.layout.batch_axes if a not in plan.chunk_axes)
 
     def local(*blocks):
         leaves = []
@@ -113,7 +114,15 @@ def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
             )(*grads, loss_sum, weight)
         )
 
+    def rows(x):
+        # FSDP groups: each device computes its piece of the chunk's rows.
+        return jax.lax.with_sharding_constraint(x, NamedSharding(gmesh, P(centry)))
+
+    centry = partition.entry(plan.chunk_axes)
+
     def run(vectors, chunk, hi, lo, key):
+        if plan.chunk_axes:
+            chunk, hi, lo = jax.tree.map(rows, (chunk, hi, lo))
         ids = keys_lib.Ids64(hi=hi, lo=lo)
         (loss_sum, weight, grads), aux = sums.example_sums(
             spec, structure, unpack(vectors), chunk, key, ids
@@ -155,6 +164,29 @@ def split_chunks(rows, chunk: int):
     return [jax.tree.map(lambda x, i=i: x[i * chunk : (i + 1) * chunk], rows) for i in range(n)]
 
 
+@functools.cache
+def chunk_splitter(chunk: int, sharding):
+    """:func:`split_chunks` whose chunks come out with ``sharding`` (an FSDP group's rows).
+
+    Chunk ``i`` is the group's rows ``[i * chunk, (i + 1) * chunk)`` split over
+    the group's chunk axes in order, however the rows came in (exact data movement).
+    """
+
+    def split(rows):
+        n = jax.tree.leaves(rows)[0].shape[0] // chunk
+        return [jax.tree.map(lambda x, i=i: x[i * chunk : (i + 1) * chunk], rows) for i in range(n)]
+
+    return jax.jit(split, out_shardings=sharding)
+
+
+@functools.cache
+def row_concat(sharding):
+    """:func:`concat_rows` with the result placed by ``sharding`` (an FSDP group's rows)."""
+    return jax.jit(
+        lambda parts: jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts), out_shardings=sharding
+    )
+
+
 @jax.jit
 def add_blocks(left, right):
     """Two blocks' packed sums, left + right (elementwise: exactly rounded anywhere)."""
@@ -180,7 +212,7 @@ def concat_rows(parts):
 def combine_program(plan: Plan):
     """The groups' blocks -> the total, added in the canonical tree (on the compute mesh)."""
     mesh = plan.compute
-    batch = plan.layout.batch_entry
+    batch = plan.outer_entry
     gentry = partition.entry(plan.group_axes)
     n = len(plan.sums_flat.vectors)
     groups = plan.groups

@@ -65,7 +65,9 @@ def _shared(spec: sums.LossSpec) -> dict:
 class BitwiseStep:
     """Runs a :class:`~unsplit._src.value_and_grad.Step` in bitwise mode."""
 
-    def __init__(self, spec: sums.LossSpec, layout: Layout, chunk_size: Any, chunk_axes: Any = None):
+    def __init__(
+        self, spec: sums.LossSpec, layout: Layout, chunk_size: Any, chunk_axes: Any = None
+    ):
         self.spec = spec
         self.chunk_size = bitwise_plan.check_chunk_size(chunk_size)
         self.chunk_axes = bitwise_plan.check_chunk_axes(chunk_axes, layout.batch_axes)
@@ -390,9 +392,7 @@ class _Compiled:
         """The groups' per-example aux, as global arrays in global-batch order."""
         plan = self.plan
         size = plan.chunks * plan.chunk
-        sharding = NamedSharding(
-            plan.compute, P(partition.entry((*plan.layout.batch_axes, *plan.chunk_axes)))
-        )
+        sharding = NamedSharding(plan.compute, P(self.owner.layout.batch_entry))
         per_group = [outputs[g] for g in self.local_groups]
 
         def assemble(*leaves):
@@ -422,7 +422,10 @@ class _CoupledCompiled(_Compiled):
         self.features_fns = {g: coupled.features_program(plan, spec) for g in self.local_groups}
         self.pullback_fns = {g: coupled.pullback_program(plan, spec) for g in self.local_groups}
         self.loss_fn = coupled.loss_program(plan, spec)
-        self.device = plan.group_devices(0).flat[0]
+        # Pass 2 runs on one device per process (the first of its groups): every process
+        # gets the global features (an all-gather, exact) and runs the same program.
+        self.device = plan.group_devices(self.local_groups[0]).flat[0]
+        self.whole = NamedSharding(plan.compute, P())
         self.finish = self._program(
             ("finish", plan, owner.single),
             lambda: coupled.finish_program(plan, self.grad_shardings),
@@ -435,12 +438,14 @@ class _CoupledCompiled(_Compiled):
         args = {g: (v, *chunks[0], k) for g, (v, chunks, k) in inputs.items()}
         if "features" not in self.stages:
             self.stages["features"] = self._compiled(self.features_fns, args, "features")
-        parts = []
-        for g in self.local_groups:  # pass 1, every chunk in global order
+        per_group = {}
+        for g in self.local_groups:  # pass 1: each group's chunks, in global order
             group_vectors, chunks, group_key = inputs[g]
             run_chunk = self.stages["features"][g]
-            parts += [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
-        features = programs.concat_rows([jax.device_put(p, self.device) for p in parts])
+            per_group[g] = programs.concat_rows(
+                [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
+            )
+        features = self._on_device(self._aux(per_group))  # every group's, on this device
         vectors = [jax.device_put(v, self.device) for v in inputs[self.local_groups[0]][0]]
         loss, aux, direct, g_features = self._loss_program(vectors, features)(vectors, features)
         cotangents = programs.split_chunks(g_features, plan.chunk)  # pass 3's inputs
@@ -461,10 +466,18 @@ class _CoupledCompiled(_Compiled):
                 for i, chunk in enumerate(chunks)
             ]
         totals = self._total(outs)
-        direct = [jax.device_put(d, t.sharding) for d, t in zip(direct, totals, strict=True)]
+        direct = [_everywhere(d, t.sharding) for d, t in zip(direct, totals, strict=True)]
         grads = self.finish(totals, direct)
-        loss = jax.device_put(loss, self.loss_sharding)
+        loss = _everywhere(loss, self.loss_sharding)
+        aux = jax.tree.map(lambda x: _everywhere(x, self.loss_sharding), aux)
         return loss, grads, aux, jax.device_put(np.float32(1), self.loss_sharding)
+
+    def _on_device(self, tree):
+        """A global tree gathered whole (exact), as arrays on this process's pass-2 device."""
+        whole = jax.jit(lambda t: t, out_shardings=self.whole)(tree)
+        return jax.tree.map(
+            lambda x: next(s.data for s in x.addressable_shards if s.device == self.device), whole
+        )
 
     def _loss_program(self, vectors, features) -> Any:
         """Pass 2's one-device program: compiled once per inputs' shapes, shared like the chunks'."""
@@ -489,6 +502,14 @@ class _CoupledCompiled(_Compiled):
             programs.check_chunk(compiled, options)
             self.shared[key] = compiled
         return self.shared[key]
+
+
+def _everywhere(x, sharding):
+    """``x`` (one device, the same value in every process) as a replicated global array."""
+    if not isinstance(sharding, NamedSharding):
+        return jax.device_put(x, sharding)
+    copies = [jax.device_put(x, d) for d in sharding.addressable_devices]
+    return jax.make_array_from_single_device_arrays(np.shape(x), sharding, copies)
 
 
 class _Placer:
@@ -524,9 +545,9 @@ class _Placer:
             found = {}
             for s in x.addressable_shards:
                 lo = s.index[0].start or 0
-                if s.device in self.starts and lo == self.starts[s.device]:
-                    if s.data.shape[0] == self.piece:
-                        found[s.device] = s.data
+                here = s.device in self.starts and lo == self.starts[s.device]
+                if here and s.data.shape[0] == self.piece:
+                    found[s.device] = s.data
             if all(d in found for d in self.devices):
                 pieces = [found[d] for d in self.devices]
                 if len(pieces) == 1:

@@ -1,0 +1,203 @@
+"""FSDP groups (``chunk_axes``): bitwise mode's per-device memory vs default mode's.
+
+A params-dominated model (an 8-layer MLP, 2048 wide: 33.6M params, 128 MiB in
+f32, with dropout) on a (data=2, fsdp=4) mesh, params sharded over ``fsdp``, the
+batch (32 rows) over ``("data", "fsdp")``. The same step runs in default mode,
+in bitwise mode with ``chunk_axes="fsdp"`` (each group of 4 devices computes
+each chunk together, params kept sharded) and in bitwise mode without it
+(params gathered whole on every device). Reported per mode:
+
+* per-device memory from XLA's compiled memory analysis: default mode's one
+  program (arguments + outputs + temp); bitwise mode's peak as
+  ``benchmarks/bitwise_bench.py`` counts it (the params held, the flat params,
+  every chunk's partial sums of a group, plus the largest of a chunk program's
+  other arguments and temp, the combine and the unpack);
+* the process's peak resident memory during the first step (8 simulated devices
+  in one process, so all 8 devices' buffers and the compiler's), each mode in a
+  process of its own, above the same baseline (params and batch placed);
+* whether the loss and grads are bit-identical to the (data=1, fsdp=4) run.
+
+Goal (issue 20): bitwise with ``chunk_axes`` <= 1.5x default mode's per-device
+memory. Run: ``python benchmarks/fsdp_groups_bench.py`` (``--quick``: a smaller
+model, docs untouched).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+import common
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import unsplit
+
+MARKER = "fsdp_groups"
+DOC = "benchmarks.md"
+AUTO = (AxisType.Auto, AxisType.Auto)
+MODES = ("default", "bitwise, chunk_axes='fsdp'", "bitwise, no chunk_axes")
+
+
+def sizes(quick: bool) -> tuple[int, int, int]:
+    """(width, layers, batch)."""
+    return (512, 4, 32) if quick else (2048, 8, 32)
+
+
+def mesh_of(data: int) -> Mesh:
+    devices = np.array(jax.devices()[: data * 4]).reshape(data, 4)
+    return Mesh(devices, ("data", "fsdp"), axis_types=AUTO)
+
+
+def loss_fn(params, x, key):
+    h = x
+    for i, w in enumerate(params):
+        h = h @ w
+        if i < len(params) - 1:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.9, h.shape)
+            h = jnp.where(keep, jax.nn.relu(h) / 0.9, 0.0)
+    return jnp.mean(h**2)
+
+
+def inputs(mesh: Mesh, quick: bool):
+    width, layers, batch = sizes(quick)
+    sharding = NamedSharding(mesh, P("fsdp"))
+
+    @jax.jit
+    def init():
+        keys = jax.random.split(jax.random.key(0), layers)
+        return [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys]
+
+    params = jax.jit(init, out_shardings=[sharding] * layers)()
+    x = jax.random.normal(jax.random.key(1), (batch, width))
+    x = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"))))
+    return params, x
+
+
+def step_for(mode: str, mesh: Mesh):
+    common_kw = {"mesh": mesh, "batch_axes": ("data", "fsdp")}
+    if mode == "default":
+        return unsplit.value_and_grad(loss_fn, **common_kw)
+    if "chunk_axes=" in mode:  # the default chunk: 8 rows, 2 per device of a group
+        return unsplit.value_and_grad(loss_fn, bitwise=True, chunk_axes="fsdp", **common_kw)
+    # Without groups a device's share is 4 rows: chunks of 4.
+    return unsplit.value_and_grad(loss_fn, bitwise=True, chunk_size=4, **common_kw)
+
+
+def memory(compiled) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+
+
+def per_device_bytes(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def bitwise_memory(step, params) -> int:
+    """The peak bytes a bitwise step holds per device (as ``bitwise_bench.bitwise_memory``)."""
+    (state,) = step.engine._plans.values()
+    plan = state.plan
+    flat = sum(v.addressable_shards[0].data.nbytes for v in state.pack(params))
+    chunk = max(state.executables.values(), key=memory).memory_analysis()
+    sums = chunk.output_size_in_bytes
+    chunk_rest = chunk.argument_size_in_bytes - flat + chunk.temp_size_in_bytes
+    slots = [
+        jax.ShapeDtypeStruct(
+            (plan.groups, plan.slots, n * plan.group_size), dt, sharding=state.slots_sharding
+        )
+        for n, dt in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
+    ]
+    combine = state.combine.lower(*slots).compile()
+    totals = [
+        jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=state.total_sharding)
+        for t in jax.eval_shape(state.combine, *slots)
+    ]
+    unpack = state.unpack.lower(totals).compile()
+    peak = max(chunk_rest, memory(combine), memory(unpack))
+    return per_device_bytes(params) + flat + plan.per_group * sums + peak
+
+
+def rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def child(mode: str, quick: bool) -> dict:
+    """One mode in this process: its compiled per-device memory and the peak RSS it adds."""
+    mesh = mesh_of(2)
+    params, x = inputs(mesh, quick)
+    key = jax.random.key(2)
+    jax.block_until_ready((params, x))
+    base = rss()
+    step = step_for(mode, mesh)
+    out = jax.block_until_ready(step(params, x, key))
+    peak = rss() - base
+    if mode == "default":
+        compiled = memory(step.lower(params, x, key).compile())
+    else:
+        compiled = bitwise_memory(step, params)
+    identical = None
+    if "chunk_axes=" in mode:
+        one = mesh_of(1)
+        params1, x1 = inputs(one, quick)
+        identical = unsplit.testing.bits_equal(out, step_for(mode, one)(params1, x1, key))
+    return {"compiled": compiled, "peak": peak, "identical": identical}
+
+
+def run_child(mode: str, quick: bool) -> dict:
+    argv = [sys.executable, __file__, "--child", mode] + (["--quick"] if quick else [])
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{mode}: {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = common.bench_parser(__doc__)
+    parser.add_argument("--child", help=argparse_hidden())
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.quick)))
+        return
+    width, layers, batch = sizes(args.quick)
+    n_params = width * width * layers
+    results = {mode: run_child(mode, args.quick) for mode in MODES}
+    base = results["default"]
+    header = ["mode (data=2, fsdp=4)", "per-device memory (XLA's analysis)", "vs default",
+              "process peak above params (8 devices)", "vs default",
+              "bit-identical to data=1"]  # fmt: skip
+    cells = []
+    for mode, r in results.items():
+        same = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        cells.append(
+            [
+                mode,
+                f"{r['compiled'] / 2**20:.1f} MiB",
+                f"{r['compiled'] / base['compiled']:.2f}x",
+                f"{r['peak'] / 2**20:.0f} MiB",
+                f"{r['peak'] / max(base['peak'], 1):.2f}x",
+                same,
+            ]
+        )
+    title = (
+        f"FSDP groups: {n_params / 1e6:.1f}M-param MLP ({layers} x {width}x{width}, f32), "
+        f"batch {batch}, params sharded over fsdp"
+    )
+    common.print_table(title, header, cells)
+    if common.should_write(args):
+        body = f"{title}:\n\n{common.markdown_table(header, cells)}"
+        common.write_table(DOC, MARKER, body)
+
+
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
