@@ -9,8 +9,10 @@ and loads its executable onto another device (PJRT's
 ``deserialize_executable`` with that device's assignment): the same machine
 code, so the same bits, at the cost of a copy.
 
-Only one-device programs are relocated; a program that spans several devices
-(a tensor-parallel group) is compiled for its devices as before.
+A program that spans several devices (a tensor-parallel or FSDP group) is
+loaded onto another group's devices the same way, partition ``i`` on the
+group's ``i``-th device, and its outputs are put together with the shardings
+they had, on the other group's mesh.
 """
 
 from __future__ import annotations
@@ -42,22 +44,42 @@ class Relocated:
         ([2.0, 2.0, 2.0], True)
     """
 
-    def __init__(self, compiled: jax.stages.Compiled, device: jax.Device, options: Any = None):
+    def __init__(
+        self,
+        compiled: jax.stages.Compiled,
+        device: jax.Device | None = None,
+        options: Any = None,
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        # One device (``device``), or a group of devices (``mesh``: the other group's mesh,
+        # its devices in the order of the compiled program's partitions).
         self.compiled = compiled
-        self.device = device
+        self.devices = list(mesh.devices.flat) if mesh is not None else [device]
+        self.device = self.devices[0]
         compile_options = jax_backend.get_compile_options(
             num_replicas=1,
-            num_partitions=1,
-            device_assignment=np.array([[device.id]]),
+            num_partitions=len(self.devices),
+            device_assignment=np.array([[d.id for d in self.devices]]),
             env_options_overrides=options,
         )
-        self.executable = device.client.deserialize_executable(
+        self.executable = self.device.client.deserialize_executable(
             compiled.runtime_executable().serialize(),
-            executable_devices=[device],
+            executable_devices=self.devices,
             compile_options=compile_options,
         )
         self.in_tree = compiled.in_tree
         self.out_tree = compiled.out_tree
+        self.outputs = None
+        if mesh is not None:  # each output as a global array of the other group's mesh
+            shardings = jax.tree.leaves(compiled.output_shardings)
+            if not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
+                raise TypeError("only outputs with NamedShardings can be put together")
+            shapes = [x.shape for x in jax.tree.leaves(compiled.out_info)]
+            self.outputs = [
+                (shape, jax.sharding.NamedSharding(mesh, s.spec))
+                for shape, s in zip(shapes, shardings, strict=True)
+            ]
 
     def __call__(self, *args: Any) -> Any:
         leaves, tree = jax.tree.flatten((args, {}))
@@ -65,7 +87,13 @@ class Relocated:
             raise TypeError(f"expected arguments {self.in_tree}; got {tree}")
         leaves = [_buffer(x, self.device) for x in leaves]
         outs = self.executable.execute_sharded(leaves).disassemble_into_single_device_arrays()
-        return jax.tree.unflatten(self.out_tree, [out[0] for out in outs])
+        if self.outputs is None:
+            return jax.tree.unflatten(self.out_tree, [out[0] for out in outs])
+        arrays = [
+            jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+            for (shape, sharding), pieces in zip(self.outputs, outs, strict=True)
+        ]
+        return jax.tree.unflatten(self.out_tree, arrays)
 
     def as_text(self) -> str:
         return self.compiled.as_text()

@@ -52,3 +52,29 @@ def test_a_bitwise_step_compiles_its_chunk_program_once_for_every_one_device_gro
     assert all(isinstance(e, relocate.Relocated) and e.compiled is first for e in others)
     one = unsplit.value_and_grad(example_loss, bitwise=True, chunk_size=2)(w, x, jax.random.key(3))
     assert unsplit.testing.bits_equal(out, one)
+
+
+def test_tensor_parallel_groups_share_one_compile_and_keep_the_bits():
+    from jax.sharding import NamedSharding
+
+    from unsplit._src import test_util
+
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    specs = test_util.MLP_LAYOUTS["tp"]
+    outs = []
+    for data in (4, 1):
+        mesh = jax.make_mesh((data, 2), ("data", "model"), axis_types=auto)
+        params = {
+            k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+            for k, v in test_util.mlp_params().items()
+        }
+        step = unsplit.value_and_grad(
+            test_util.MLP_LOSSES[True], weighted=True, mesh=mesh, bitwise=True
+        )
+        outs.append(jax.device_get(step(params, test_util.mlp_batch(), jax.random.key(5))))
+        if data == 4:
+            (state,) = step.engine._plans.values()
+            first, *others = (state.executables[g] for g in range(4))
+            assert isinstance(first, jax.stages.Compiled)
+            assert all(isinstance(e, relocate.Relocated) and e.compiled is first for e in others)
+    assert unsplit.testing.bits_equal(outs[0], outs[1])

@@ -328,15 +328,16 @@ class _Compiled:
     def _compiled(self, fns: dict, args: dict, tag: str) -> dict:
         """Each local group's program ``fns[g]`` for ``args[g]``, compiled once per distinct one.
 
-        Traces here (the caller's JAX settings apply). One-device groups all run
-        the same program: it is compiled for the first group's device and loaded
-        onto the others (:mod:`.relocate`), the same machine code; groups of
-        several devices are compiled in parallel.
+        Traces here (the caller's JAX settings apply). Groups of the same size all
+        run the same program: it is compiled for the first such group's devices and
+        loaded onto the others' (:mod:`.relocate`), the same machine code.
         """
         keys = {g: (tag, self._key(g, args[g])) for g in self.local_groups}
         todo = [g for g in self.local_groups if keys[g] not in self.shared]
-        single = [g for g in todo if self.plan.group_devices(g).size == 1]
-        first = single[:1] + [g for g in todo if g not in single]
+        by_size: dict[int, list[int]] = {}  # groups of the same size run the same program
+        for g in todo:
+            by_size.setdefault(self.plan.group_devices(g).size, []).append(g)
+        first = [groups[0] for groups in by_size.values()]
         lowered = {
             g: programs.lower_chunk(fns[g], args[g], self.plan.group_devices(g).flat) for g in first
         }
@@ -349,19 +350,22 @@ class _Compiled:
                 for g, compiled in done.items():
                     programs.check_chunk(compiled, lowered[g][1])
                     self.shared[keys[g]] = compiled
-                for g in single[1:]:
-                    self.shared[keys[g]] = self._relocated(
-                        fns[g], done[single[0]], g, lowered[single[0]][1], args[g]
-                    )
+                for head, *rest in by_size.values():
+                    for g in rest:
+                        self.shared[keys[g]] = self._relocated(
+                            fns[g], done[head], g, lowered[head][1], args[g]
+                        )
         return {g: self.shared[keys[g]] for g in self.local_groups}
 
     def _relocated(self, fn, compiled, g: int, options, args) -> Any:
-        """Group ``g``'s program: ``compiled`` loaded onto its device, else compiled for it."""
-        (device,) = self.plan.group_devices(g).flat
+        """Group ``g``'s program: ``compiled`` loaded onto its devices, else compiled for them."""
+        devices = self.plan.group_devices(g)
         try:
-            return relocate.Relocated(compiled, device, options)
-        except Exception:  # a runtime that cannot load it there: compile it for the device
-            low = programs.lower_chunk(fn, args, [device])
+            if devices.size == 1:
+                return relocate.Relocated(compiled, devices.flat[0], options)
+            return relocate.Relocated(compiled, options=options, mesh=self.plan.group_mesh(g))
+        except Exception:  # a runtime that cannot load it there: compile it for the devices
+            low = programs.lower_chunk(fn, args, list(devices.flat))
             return low[0].compile(compiler_options=low[1])
 
     def _key(self, g: int, args) -> Any:
