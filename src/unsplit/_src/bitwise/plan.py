@@ -182,18 +182,7 @@ def make_plan(
     model = tuple(a for a in mesh.axis_names if a in used and a not in layout.batch_axes)
     group_axes = (*chunk_axes, *model)
     outer = tuple(a for a in layout.batch_axes if a not in chunk_axes)
-    for path, s in zip(structure.paths, specs, strict=True):
-        for e in s:
-            names = partition.names(e)
-            if any(n in outer for n in names) and any(n in group_axes for n in names):
-                what = "a model axis" if any(n in model for n in names) else "a chunk axis"
-                raise ValueError(
-                    f"params{path} has PartitionSpec {s}: one dimension sharded over both a "
-                    f"batch axis and {what} ({e}), which bitwise mode cannot gather "
-                    "exactly per group. Fix: shard that dimension over the batch axes or over "
-                    f"the {'model' if what == 'a model axis' else 'chunk'} axes, or use "
-                    "different dimensions for each."
-                )
+    _check_dimensions(structure.paths, specs, outer, group_axes, model)
     compute = _compute_mesh(mesh, outer, group_axes)
     outer_axes = outer if outer else (_GROUPS,)
     local_specs = tuple(partition.keep_axes(s, group_axes) for s in specs)
@@ -202,18 +191,7 @@ def make_plan(
         for a, ls in zip(arrays, local_specs, strict=True)
     ]
     params_flat = FlatPlan.of(arrays, local_shapes)
-    diff_shapes = [s for s, d in zip(local_shapes, structure.diff, strict=True) if d]
-    grads = [
-        jax.ShapeDtypeStruct(s, sums.wide_float(a.dtype))
-        for s, a in zip(diff_shapes, structure.diff_of(arrays), strict=True)
-    ]
-    # A coupled loss's chunks carry only grads: their loss and weight slots are 0.
-    coupled = spec.batch_loss is not None
-    loss_dtype = (
-        np.dtype(np.float32) if coupled else _loss_dtype(spec, structure, arrays, batch, key)
-    )
-    scalars = [jax.ShapeDtypeStruct((), loss_dtype), jax.ShapeDtypeStruct((), loss_dtype)]
-    sums_flat = FlatPlan.of([*grads, *scalars])
+    sums_flat = _sums_layout(spec, structure, arrays, local_shapes, batch, key)
     chunks = size // chunk
     groups = math.prod(compute.shape[a] for a in outer_axes)
     per_group = chunks // groups
@@ -236,6 +214,38 @@ def make_plan(
         slots=slots,
     )
     return plan, arrays
+
+
+def _check_dimensions(paths, specs, outer, group_axes, model) -> None:
+    """Refuses a params dimension sharded over both a batch axis and a group axis."""
+    for path, s in zip(paths, specs, strict=True):
+        for e in s:
+            names = partition.names(e)
+            if any(n in outer for n in names) and any(n in group_axes for n in names):
+                what = "a model axis" if any(n in model for n in names) else "a chunk axis"
+                raise ValueError(
+                    f"params{path} has PartitionSpec {s}: one dimension sharded over both a "
+                    f"batch axis and {what} ({e}), which bitwise mode cannot gather "
+                    "exactly per group. Fix: shard that dimension over the batch axes or over "
+                    f"the {'model' if what == 'a model axis' else 'chunk'} axes, or use "
+                    "different dimensions for each."
+                )
+
+
+def _sums_layout(spec, structure, arrays, local_shapes, batch, key) -> FlatPlan:
+    """The flat layout of a chunk's sums: the grads (wide floats), then loss and weight."""
+    diff_shapes = [s for s, d in zip(local_shapes, structure.diff, strict=True) if d]
+    grads = [
+        jax.ShapeDtypeStruct(s, sums.wide_float(a.dtype))
+        for s, a in zip(diff_shapes, structure.diff_of(arrays), strict=True)
+    ]
+    # A coupled loss's chunks carry only grads: their loss and weight slots are 0.
+    coupled = spec.batch_loss is not None
+    loss_dtype = (
+        np.dtype(np.float32) if coupled else _loss_dtype(spec, structure, arrays, batch, key)
+    )
+    scalars = [jax.ShapeDtypeStruct((), loss_dtype), jax.ShapeDtypeStruct((), loss_dtype)]
+    return FlatPlan.of([*grads, *scalars])
 
 
 def _spec_on(x: Any, mesh: Mesh) -> P:
