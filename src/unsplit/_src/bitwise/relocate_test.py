@@ -59,6 +59,9 @@ def test_tensor_parallel_groups_share_one_compile_and_keep_the_bits():
 
     from unsplit._src import test_util
 
+    def fresh_loss(p, ex, key):  # its own function: programs are shared per loss function
+        return test_util.MLP_LOSSES[True](p, ex, key)
+
     auto = (jax.sharding.AxisType.Auto,) * 2
     specs = test_util.MLP_LAYOUTS["tp"]
     outs = []
@@ -68,9 +71,7 @@ def test_tensor_parallel_groups_share_one_compile_and_keep_the_bits():
             k: jax.device_put(v, NamedSharding(mesh, specs[k]))
             for k, v in test_util.mlp_params().items()
         }
-        step = unsplit.value_and_grad(
-            test_util.MLP_LOSSES[True], weighted=True, mesh=mesh, bitwise=True
-        )
+        step = unsplit.value_and_grad(fresh_loss, weighted=True, mesh=mesh, bitwise=True)
         outs.append(jax.device_get(step(params, test_util.mlp_batch(), jax.random.key(5))))
         if data == 4:
             (state,) = step.engine._plans.values()
