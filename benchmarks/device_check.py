@@ -29,6 +29,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import traceback
 
 GPU_FLAGS = "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
 HERE = pathlib.Path(__file__).resolve().parent
@@ -80,7 +81,7 @@ def grid(lines: list[str]) -> None:
     lines += ["", "### Bitwise grid (loss and grads vs 1 device)", "",
               "| devices | microbatches | bit-identical |", "|---|---|---|"]  # fmt: skip
     for n in counts:
-        for microbatches in (1, 2):
+        for microbatches in (1, 2, 4):
             if left() < 60:
                 lines.append(f"| {n} | {microbatches} | skipped (time) |")
                 continue
@@ -209,7 +210,9 @@ def main() -> int:
         try:
             part(lines)
         except Exception as error:  # report it and go on: one part's failure is a finding
-            lines += ["", f"{part.__name__} failed: {type(error).__name__}: {error}"]
+            trace = traceback.format_exc(limit=-6)
+            lines += ["", f"{part.__name__} failed: {type(error).__name__}: {error}", "",
+                      "```", trace.strip()[-3000:], "```"]  # fmt: skip
     lines += ["", f"Total {time.monotonic() - START:.0f} s."]
     report = "\n".join(lines)
     print(report)

@@ -573,14 +573,15 @@ class _Placer:
 
     def one_device(self, x):
         """``x`` as a plain one-device array: a one-device mesh's shard can still be typed by
-        that mesh (Explicit axes), and the one-device chunk program takes no mesh types."""
-        if isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
-            return x
-        return jax.device_put(x, self.devices[0])
+        that mesh (Explicit axes), and the one-device chunk program takes no mesh types.
+        ``device_put`` onto the device keeps that type; the array's one buffer does not."""
+        if x.devices() != {self.devices[0]}:
+            x = jax.device_put(x, self.devices[0])
+        return x.addressable_data(0)
 
     def whole(self, x):
         if len(self.devices) == 1:
-            return jax.device_put(x, self.devices[0])
+            return self.one_device(jax.device_put(x, self.devices[0]))
         return jax.device_put(x, self.replicated)
 
 

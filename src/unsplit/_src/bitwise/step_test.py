@@ -59,6 +59,16 @@ def test_chunk_size_one_is_bit_identical_too():
     assert not testing.bits_equal(reference(chunk_size=1), reference())  # another chunking
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_a_one_device_mesh_is_the_same_as_no_mesh(axis_type):
+    # jax.make_mesh((1,), ...) is Explicit by default: its arrays stay typed by the mesh
+    # after device_put onto the device, and the chunk program must not see that type
+    # (it gave a ShardingTypeError in the embedding's gather).
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(axis_type,))
+    out = run(1, 2, mesh=mesh)
+    assert testing.bits_equal(out, reference())
+
+
 @pytest.mark.parametrize("devices,microbatches", [(4, 2)])
 def test_unweighted_is_bit_identical(devices, microbatches):
     assert testing.bits_equal(run(devices, microbatches, weighted=False), reference(weighted=False))
