@@ -12,6 +12,9 @@ chunk size), side by side in alternating rounds. Reported per layout:
 * the collectives XLA put in a chunk program (each runs once per chunk);
 * the first call (trace, compile, run), bitwise / default (goal <= 3x): one-device groups
   share one compiled chunk program;
+* bytes sent per device per step, bitwise / default, counted from the compiled HLO as
+  ring algorithms send them (``unsplit.testing.bytes_sent``), and the bitwise combine's
+  bytes over a ring all-reduce's ``2 (G - 1) / G`` of the same sums (goal <= 1.1x);
 * per-device memory, bitwise / default (goal <= 1.25x). Default mode: XLA's memory
   analysis of its one program (arguments + outputs + temp). Bitwise mode: the peak a
   step holds, each buffer once (see ``bitwise_memory``);
@@ -104,20 +107,37 @@ def bitwise_memory(step, params, rows, key) -> int:
     chunk = max(state.executables.values(), key=memory).memory_analysis()
     sums = chunk.output_size_in_bytes
     chunk_rest = chunk.argument_size_in_bytes - flat + chunk.temp_size_in_bytes
-    slots = [
+    combine = state.combine_compiled()
+    totals = [
         jax.ShapeDtypeStruct(
-            (plan.groups, plan.slots, n * plan.group_size), dt, sharding=state.slots_sharding
+            (n * plan.group_size,), dt, sharding=state.total_sharding
         )
         for n, dt in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
-    ]
-    combine = state.combine.lower(*slots).compile()
-    totals = [
-        jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=state.total_sharding)
-        for t in jax.eval_shape(state.combine, *slots)
     ]
     unpack = state.unpack.lower(totals).compile()
     peak = max(chunk_rest, memory(combine), memory(unpack))
     return per_device_bytes(params) + flat + plan.per_group * sums + peak
+
+
+def bytes_sent(step, params, default_compiled) -> tuple[float, float, float]:
+    """Bytes sent per device per step, from the compiled HLO (ring accounting).
+
+    Returns (bitwise: pack + a group's chunk programs + combine, default mode's
+    program, the combine / a ring all-reduce of the same sums: ``2 (G - 1) / G`` of
+    them).
+    """
+    (state,) = step.engine._plans.values()
+    plan = state.plan
+    combine = unsplit.testing.bytes_sent(state.combine_compiled())
+    pack = unsplit.testing.bytes_sent(state.pack.lower(params).compile())
+    chunk = max(unsplit.testing.bytes_sent(c.as_text()) for c in state.executables.values())
+    pack += plan.per_group * chunk
+    sums = sum(
+        n * np.dtype(d).itemsize
+        for n, d in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
+    )
+    ring = 2 * (plan.groups - 1) / plan.groups * sums
+    return pack + combine, unsplit.testing.bytes_sent(default_compiled), combine / ring
 
 
 def collectives(step) -> int:
@@ -168,7 +188,8 @@ def measure(layout: Layout, config, batch, quick):
     ref = unsplit.value_and_grad(loss, weighted=True, mesh=one, bitwise=True)(
         ref_params, batch, key
     )
-    mem_default = memory(default.lower(params, rows, key).compile())
+    default_compiled = default.lower(params, rows, key).compile()
+    mem_default = memory(default_compiled)
     timing = {r.name: r for r in timing}
     return {
         "layout": layout.name,
@@ -178,7 +199,12 @@ def measure(layout: Layout, config, batch, quick):
         "memory": (bitwise_memory(bitwise, params, rows, key), mem_default),
         "identical": unsplit.testing.bits_equal(out, ref),
         "collectives": collectives(bitwise),
+        "bytes": bytes_sent(bitwise, params, default_compiled),
     }
+
+
+def bytes_cell(bitwise: float, default: float, _) -> str:
+    return f"{bitwise / 2**20:.2f} / {default / 2**20:.2f} MiB ({bitwise / default:.2f}x)"
 
 
 def chunked_cell(per_group: int, result) -> str:
@@ -197,7 +223,9 @@ def main() -> None:
     header = ["layout", "step time: bitwise / default (median, min-max)",
               "default mode in one-chunk programs (microbatches = chunks per group) / default",
               "collectives per chunk program", "first call: bitwise / default",
-              "memory per device: bitwise / default", "bit-identical to its reference"]  # fmt: skip
+              "memory per device: bitwise / default",
+              "bytes sent per device per step: bitwise / default",
+              "combine's bytes / a ring all-reduce's", "bit-identical to its reference"]  # fmt: skip
     cells = []
     for r in rows:
         t, (mb, md) = r["time"], r["memory"]
@@ -209,6 +237,8 @@ def main() -> None:
                 str(r["collectives"]),
                 f"{r['first']:.1f}x",
                 f"{mb / 2**20:.1f} / {md / 2**20:.1f} MiB ({mb / md:.2f}x)",
+                bytes_cell(*r["bytes"]),
+                f"{r['bytes'][2]:.2f}x",
                 "yes" if r["identical"] else "NO",
             ]
         )

@@ -2,7 +2,9 @@
 
 ``bits_equal(a, b)`` compares two pytrees bit for bit (what bitwise mode
 promises across schedules); ``rel_l2(a, b)`` is their relative distance (what
-default mode keeps at float-rounding size).
+default mode keeps at float-rounding size). ``bytes_sent(compiled)`` is what a
+compiled program's collectives send per device, counted from its HLO as ring
+algorithms send them.
 
 ``run_local_processes`` starts ``num_processes`` Python processes on this
 machine, each with ``devices_per_process`` simulated CPU devices, joined by
@@ -27,10 +29,11 @@ Example:
     [0, 1]
 """
 
+from unsplit._src.bitwise.traffic import bytes_sent as bytes_sent
 from unsplit._src.processes.launch import LaunchError as LaunchError
 from unsplit._src.processes.launch import free_port as free_port
 from unsplit._src.processes.launch import run_local_processes as run_local_processes
 from unsplit._src.trees import bits_equal as bits_equal
 from unsplit._src.trees import rel_l2 as rel_l2
 
-__all__ = ["LaunchError", "bits_equal", "free_port", "rel_l2", "run_local_processes"]
+__all__ = ["LaunchError", "bits_equal", "bytes_sent", "free_port", "rel_l2", "run_local_processes"]

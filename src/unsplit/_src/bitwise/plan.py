@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any
 
 import jax
@@ -150,12 +151,6 @@ class Plan:
 
     def blocks(self, g: int) -> list[reduce.Block]:
         return reduce.aligned_blocks(g * self.per_group, (g + 1) * self.per_group)
-
-    @property
-    def doubling(self) -> bool:
-        """Every group's share is one aligned subtree and the groups a power of two."""
-        g = self.groups
-        return g & (g - 1) == 0 and self.chunks & (self.chunks - 1) == 0
 
 
 def make_plan(
@@ -288,9 +283,34 @@ def _depth(start: int, count: int) -> int:
     return max(deepest, 1)
 
 
+# Per loss function: the loss sums' dtype per (params, example, key) signature, so a new
+# batch size (a new plan) does not trace the loss again.
+_LOSS_DTYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _loss_dtype(spec, structure, arrays, batch, key) -> Any:
-    """The dtype of the loss sums (float32 unless the loss is wider), from one example's trace."""
+    """The dtype of the loss sums (float32 unless the loss is wider), from one example's trace
+    (traced once per signature: the batch size is not part of it)."""
     example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), batch)
+    signature = (
+        spec.weighted,
+        spec.has_aux,
+        structure,
+        tuple((np.shape(a), str(a.dtype)) for a in arrays),
+        jax.tree.structure(example),
+        tuple((e.shape, str(e.dtype)) for e in jax.tree.leaves(example)),
+        (np.shape(key), str(key.dtype)),
+    )
+    try:
+        memo = _LOSS_DTYPES.setdefault(spec.loss_fn, {})
+    except TypeError:  # a loss that cannot be weakly referenced: traced for every plan
+        memo = {}
+    if signature not in memo:
+        memo[signature] = _traced_loss_dtype(spec, structure, arrays, example, key)
+    return memo[signature]
+
+
+def _traced_loss_dtype(spec, structure, arrays, example, key) -> Any:
 
     def one(arrays, example, key):
         loss_sum, weight, _ = sums.call_loss(spec, structure.merge(arrays), example, key)

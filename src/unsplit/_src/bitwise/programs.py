@@ -12,9 +12,10 @@
    On CPU its dots are put in a canonical layout on the YNNPACK path, so its
    bits do not depend on the process's thread count
    (:mod:`unsplit._src.bitwise.canonical_dots`).
-3. ``combine`` (the compute mesh): the groups' blocks added in the same tree:
-   recursive doubling with ``ppermute`` when every group holds one aligned
-   subtree, else an all-gather and the tree. Never a ``psum``.
+3. ``combine`` (the compute mesh): the groups' blocks added in the same tree,
+   as a fixed-order reduce-scatter (an ``all_to_all`` of pieces, each group
+   adding its piece's blocks in the tree) and an all-gather: a ring
+   all-reduce's bytes. Never a ``psum``.
 4. ``unpack`` (the user's mesh): the total back into grads with the params'
    shardings, divided once by the global weight.
 
@@ -210,7 +211,17 @@ def concat_rows(parts):
 
 
 def combine_program(plan: Plan):
-    """The groups' blocks -> the total, added in the canonical tree (on the compute mesh)."""
+    """The groups' blocks -> the total, added in the canonical tree (on the compute mesh).
+
+    A fixed-order reduce-scatter, then an all-gather: each flat vector is cut into
+    one piece per group; an ``all_to_all`` brings every group's blocks of piece
+    ``g`` to group ``g``, which adds them in the canonical tree
+    (:func:`reduce.combine`: elementwise, so each element is added in the same
+    order whatever piece it falls in); an ``all_gather`` gives every group the
+    whole total. Each device sends ``2 (G - 1) / G`` of its vectors (times the
+    blocks a group holds, one when each group's share is one aligned subtree):
+    a ring all-reduce's bytes, with the order fixed. Never a ``psum``.
+    """
     mesh = plan.compute
     batch = plan.outer_entry
     gentry = partition.entry(plan.group_axes)
@@ -221,22 +232,29 @@ def combine_program(plan: Plan):
     def add(a, b):
         return [x + y for x, y in zip(a, b, strict=True)]
 
+    def scatter(s):
+        """(1, slots, length) -> (groups, slots, piece): every group's blocks of my piece."""
+        slots, length = s.shape[1], s.shape[2]
+        piece = -(-length // groups)
+        x = jnp.pad(s[0], ((0, 0), (0, piece * groups - length)))
+        x = x.reshape(slots, groups, piece)
+        return jax.lax.all_to_all(x, batch, split_axis=1, concat_axis=0, tiled=False)
+
     def local(*slots):  # each (1, slots, length): this group's blocks
-        if plan.doubling:
-            # Round r adds partners g and g ^ 2**r; IEEE addition is commutative, so both
-            # get left + right, bit for bit, holding one extra block at a time.
-            x = [s[0, 0] for s in slots]
-            for r in range(groups.bit_length() - 1):
-                perm = [(g, g ^ (1 << r)) for g in range(groups)]
-                x = add(x, [jax.lax.ppermute(v, batch, perm) for v in x])
-            return tuple(x)
-        everyone = [jax.lax.all_gather(s, batch, tiled=True) for s in slots]
+        length = [s.shape[2] for s in slots]
+        mine = [scatter(s) for s in slots] if groups > 1 else [s for s in slots]
         named = {
-            block: [e[g, j] for e in everyone]
+            block: [m[g, j] for m in mine]
             for g, blocks in enumerate(layout)
             for j, block in enumerate(blocks)
         }
-        return tuple(reduce.combine(named, plan.chunks, add))
+        piece = reduce.combine(named, plan.chunks, add)
+        if groups == 1:
+            return tuple(piece)
+        return tuple(
+            jax.lax.all_gather(p, batch, tiled=True)[:n_]
+            for p, n_ in zip(piece, length, strict=True)
+        )
 
     return jax.jit(
         jax.shard_map(

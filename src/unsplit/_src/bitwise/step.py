@@ -242,6 +242,17 @@ class _Compiled:
         self.total_sharding = NamedSharding(mesh, P(gentry))
         self.same_mesh = plan.compute.devices.size == mesh.devices.size
 
+    def combine_compiled(self) -> Any:
+        """The combine program for this plan, compiled (its HLO, bytes sent and memory)."""
+        plan = self.plan
+        slots = [
+            jax.ShapeDtypeStruct(
+                (plan.groups, plan.slots, n * plan.group_size), dtype, sharding=self.slots_sharding
+            )
+            for n, dtype in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
+        ]
+        return self.combine.lower(*slots).compile()
+
     def _program(self, key, build):
         """A jitted data-movement program, shared like the chunk programs."""
         if key not in self.shared:

@@ -142,6 +142,24 @@ def test_second_call_does_not_retrace():
     assert first > 0 and len(traces) == first
 
 
+def test_a_fixed_chunk_size_traces_the_loss_once_for_every_batch_size():
+    # Issue 20.6: the chunk program sees one chunk's shapes, so a new batch size needs no
+    # new trace of the loss (it traced again per size: 5 traces for 8, 16, 24, 8).
+    traces = []
+
+    def counting(p, ex, k):
+        traces.append(1)
+        return WEIGHTED(p, ex, k)
+
+    step = unsplit.value_and_grad(counting, weighted=True, bitwise=True, chunk_size=8)
+    step(PARAMS, jax.tree.map(lambda x: x[:8], BATCH), KEY)
+    first = len(traces)
+    for size in (16, 24, 8):
+        loss, _ = step(PARAMS, jax.tree.map(lambda x, n=size: x[:n], BATCH), KEY)
+        assert np.isfinite(loss)
+    assert first > 0 and len(traces) == first
+
+
 @pytest.mark.slow  # the Python 3.12 fast subset leaves it out; ./dev test runs it
 def test_microbatches_never_refuse_but_a_share_of_partial_chunks_does():
     assert testing.bits_equal(run(8, 4), reference())  # 8 examples per device, 2 per microbatch
