@@ -109,9 +109,7 @@ def bitwise_memory(step, params, rows, key) -> int:
     chunk_rest = chunk.argument_size_in_bytes - flat + chunk.temp_size_in_bytes
     combine = state.combine_compiled()
     totals = [
-        jax.ShapeDtypeStruct(
-            (n * plan.group_size,), dt, sharding=state.total_sharding
-        )
+        jax.ShapeDtypeStruct((n * plan.group_size,), dt, sharding=state.total_sharding)
         for n, dt in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
     ]
     unpack = state.unpack.lower(totals).compile()
