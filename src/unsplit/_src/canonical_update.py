@@ -13,10 +13,11 @@ its input had (exact slicing). The same program on the same values gives the
 same bits, whatever the data-parallel degree, the params' layout or the
 process count.
 
-It costs, per step, an all-gather of params, grads and optimizer state to one
-device per process and the whole update there (O(params) memory on that
-device); docs/bitwise.md has the numbers and what keeps the bits in an update
-you write yourself.
+It costs, per step, a copy of params, grads and optimizer state onto one device
+per process (one process: only that device holds them whole; several: an
+all-gather) and the whole update there (O(params) memory on that device); the
+results go back shard by shard. docs/bitwise.md has the numbers and what keeps
+the bits in an update you write yourself.
 """
 
 from __future__ import annotations
@@ -58,17 +59,30 @@ class CanonicalUpdate:
         ]
         self.fn = jax.jit(fn)
         self.gather = jax.jit(lambda tree: tree, out_shardings=self.replicated)
-        self._reshard: dict[Any, Callable] = {}
+        self._reshard: dict[Any, _Slicer] = {}
 
     def __call__(self, *trees: Any) -> tuple:
         # A Python number (TrainState.create's step=0) as a NumPy scalar: not weakly typed,
         # so the update sees the same types on the first call as on the next ones.
         trees = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, int | float) else x, trees)
         targets = jax.tree.map(self._target, trees[: self.outputs])
-        whole = self.gather(trees)  # every leaf replicated on the mesh: exact data movement
-        local = jax.tree.map(self._local, whole)
-        out = self.fn(*local)
+        out = self.fn(*self._gathered(trees))
         return self._scatter(out, targets)
+
+    def _gathered(self, trees: tuple) -> tuple:
+        """Every leaf whole on this process's update device (exact data movement).
+
+        One process: each leaf's shards are copied onto that device, and no
+        other device holds more than it did. Several processes: every leaf is
+        all-gathered (replicated on the mesh), and this process takes its copy.
+        """
+        if jax.process_count() == 1:
+            whole = jax.device_put(trees, self.device)
+        else:
+            whole = jax.tree.map(self._local, self.gather(trees))
+        # The device's plain buffer: an array moved off a one-device Explicit mesh keeps
+        # that mesh's type, and the one-device program takes none.
+        return jax.tree.map(lambda x: x.addressable_data(0), whole)
 
     def _target(self, x: Any) -> jax.sharding.Sharding:
         sharding = getattr(x, "sharding", None)
@@ -80,19 +94,60 @@ class CanonicalUpdate:
         return next(s.data for s in x.addressable_shards if s.device == self.device)
 
     def _scatter(self, out: tuple, targets: tuple) -> tuple:
-        copies = [jax.device_put(out, d) for d in self.local_devices]
-        leaves = [jax.tree.leaves(c) for c in copies]
-        treedef = jax.tree.structure(out)
-        whole = [
-            jax.make_array_from_single_device_arrays(
-                x.shape, self.replicated, [per_device[i] for per_device in leaves]
-            )
-            for i, x in enumerate(leaves[0])
-        ]
-        key = (treedef, tuple(jax.tree.leaves(targets)))
+        """Each output leaf cut into its target sharding's local pieces and sent to their
+        devices: a device receives only its shard; the update device holds each distinct
+        piece once (a leaf replicated on the mesh is sent as it is)."""
+        leaves, treedef = jax.tree.flatten(out)
+        shardings = jax.tree.leaves(targets, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        key = (treedef, tuple(shardings), tuple((x.shape, x.dtype) for x in leaves))
         if key not in self._reshard:
-            self._reshard[key] = jax.jit(lambda tree: tree, out_shardings=targets)
-        return self._reshard[key](jax.tree.unflatten(treedef, whole))
+            self._reshard[key] = _Slicer(leaves, shardings)
+        return jax.tree.unflatten(treedef, self._reshard[key](leaves))
+
+
+class _Slicer:
+    """Cuts whole arrays on one device into the local shards of their target shardings."""
+
+    def __init__(self, leaves: list, shardings: list):
+        self.shardings = shardings
+        self.pieces = []  # per leaf: its distinct local indices, and the devices of each
+        for x, sharding in zip(leaves, shardings, strict=True):
+            by_index: dict[Any, list] = {}
+            for device, index in sharding.addressable_devices_indices_map(x.shape).items():
+                by_index.setdefault(_hashable(index, x.shape), []).append(device)
+            self.pieces.append(list(by_index.items()))
+        cuts = [[index for index, _ in pieces if index is not None] for pieces in self.pieces]
+        self.cut = jax.jit(
+            lambda xs: [
+                [x[tuple(slice(*i) for i in index)] for index in c]
+                for x, c in zip(xs, cuts, strict=True)
+            ]  # fmt: skip
+        )
+
+    def __call__(self, leaves: list) -> list:
+        cut = iter(self.cut(leaves))
+        arrays = []
+        for x, sharding, pieces in zip(leaves, self.shardings, self.pieces, strict=True):
+            parts = next(cut)
+            sources = [x if index is None else parts.pop(0) for index, _ in pieces]
+            sent = jax.device_put(
+                [source for source, (_, devices) in zip(sources, pieces, strict=True)
+                 for _ in devices],
+                [device for _, devices in pieces for device in devices],
+            )  # fmt: skip
+            order = [device for _, devices in pieces for device in devices]
+            by_device = dict(zip(order, sent, strict=True))
+            shards = [by_device[d] for d in sharding.addressable_devices_indices_map(x.shape)]
+            arrays.append(jax.make_array_from_single_device_arrays(x.shape, sharding, shards))
+        return arrays
+
+
+def _hashable(index: tuple, shape: tuple) -> Any:
+    """A shard's index as ((start, stop), ...), or None when it is the whole array."""
+    bounds = tuple(
+        (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True)
+    )
+    return None if all(b == (0, n) for b, n in zip(bounds, shape, strict=True)) else bounds
 
 
 def canonical_sum(tree: Any, axis: int = 0) -> Any:

@@ -63,3 +63,36 @@ def test_an_update_keeps_each_leaf_sharding_and_runs_once_per_call():
     new_w, new_count = update(w, count, jnp.ones(8))
     assert new_w.sharding == w.sharding and new_count.sharding == count.sharding
     assert new_w.tolist() == [x - 1.0 for x in range(8)] and int(new_count) == 1
+
+
+def test_only_the_update_device_holds_the_whole_arrays():
+    # One process: the leaves are copied whole onto one device (not replicated on every
+    # device), and each device gets back only its shard.
+    mesh = jax.make_mesh((4,), ("data",))
+    n = 4096
+    w = jax.device_put(jnp.arange(float(n)), NamedSharding(mesh, P("data")))
+    g = jax.device_put(jnp.ones(n), NamedSharding(mesh, P("data")))
+    update = CanonicalUpdate(lambda w, g: (w - g,), mesh, outputs=1)
+
+    def held():  # bytes of distinct buffers per device (shard views share their buffer)
+        buffers = {d: {} for d in mesh.devices.flat}
+        for a in jax.live_arrays():
+            for s in a.addressable_shards:
+                if s.device in buffers:
+                    buffers[s.device][s.data.unsafe_buffer_pointer()] = s.data.nbytes
+        return {d: sum(b.values()) for d, b in buffers.items()}
+
+    before, during = held(), {}
+    jitted = update.fn
+
+    def spy(*args):
+        during.update(held())
+        return jitted(*args)
+
+    update.fn = spy
+    (new_w,) = update(w, g)
+    added = {d: during[d] - before[d] for d in mesh.devices.flat}
+    assert added[update.device] >= 2 * n * 4  # w and g whole
+    assert all(added[d] == 0 for d in mesh.devices.flat if d != update.device), added
+    assert [s.data.shape for s in new_w.addressable_shards] == [(n // 4,)] * 4
+    assert new_w.tolist() == [x - 1.0 for x in range(n)]
