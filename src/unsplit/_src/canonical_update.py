@@ -106,43 +106,49 @@ class CanonicalUpdate:
 
 
 class _Slicer:
-    """Cuts whole arrays on one device into the local shards of their target shardings."""
+    """Cuts whole arrays on one device into the local shards of their target shardings.
+
+    Each distinct local piece of a leaf is cut once (one program for all leaves)
+    and sent to every device that holds it; a piece that is the whole leaf is
+    sent as it is.
+    """
 
     def __init__(self, leaves: list, shardings: list):
         self.shardings = shardings
-        self.pieces = []  # per leaf: its distinct local indices, and the devices of each
+        self.pieces = []  # per leaf: [(bounds or None for the whole leaf, [devices])]
         for x, sharding in zip(leaves, shardings, strict=True):
-            by_index: dict[Any, list] = {}
+            by_bounds: dict[Any, list] = {}
             for device, index in sharding.addressable_devices_indices_map(x.shape).items():
-                by_index.setdefault(_hashable(index, x.shape), []).append(device)
-            self.pieces.append(list(by_index.items()))
-        cuts = [[index for index, _ in pieces if index is not None] for pieces in self.pieces]
-        self.cut = jax.jit(
-            lambda xs: [
-                [x[tuple(slice(*i) for i in index)] for index in c]
-                for x, c in zip(xs, cuts, strict=True)
-            ]  # fmt: skip
-        )
+                by_bounds.setdefault(_bounds(index, x.shape), []).append(device)
+            self.pieces.append(list(by_bounds.items()))
+        cuts = [[b for b, _ in pieces if b is not None] for pieces in self.pieces]
+
+        def cut(xs):
+            return [[_cut(x, b) for b in bounds] for x, bounds in zip(xs, cuts, strict=True)]
+
+        self.cut = jax.jit(cut)
 
     def __call__(self, leaves: list) -> list:
-        cut = iter(self.cut(leaves))
         arrays = []
-        for x, sharding, pieces in zip(leaves, self.shardings, self.pieces, strict=True):
-            parts = next(cut)
-            sources = [x if index is None else parts.pop(0) for index, _ in pieces]
-            sent = jax.device_put(
-                [source for source, (_, devices) in zip(sources, pieces, strict=True)
-                 for _ in devices],
-                [device for _, devices in pieces for device in devices],
-            )  # fmt: skip
-            order = [device for _, devices in pieces for device in devices]
-            by_device = dict(zip(order, sent, strict=True))
-            shards = [by_device[d] for d in sharding.addressable_devices_indices_map(x.shape)]
+        for x, sharding, pieces, parts in zip(
+            leaves, self.shardings, self.pieces, self.cut(leaves), strict=True
+        ):
+            parts = iter(parts)
+            sources, devices = [], []
+            for bounds, holders in pieces:
+                source = x if bounds is None else next(parts)
+                sources += [source] * len(holders)
+                devices += holders
+            shards = jax.device_put(sources, devices)
             arrays.append(jax.make_array_from_single_device_arrays(x.shape, sharding, shards))
         return arrays
 
 
-def _hashable(index: tuple, shape: tuple) -> Any:
+def _cut(x: jax.Array, bounds: tuple) -> jax.Array:
+    return x[tuple(slice(start, stop) for start, stop in bounds)]
+
+
+def _bounds(index: tuple, shape: tuple) -> Any:
     """A shard's index as ((start, stop), ...), or None when it is the whole array."""
     bounds = tuple(
         (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True)
