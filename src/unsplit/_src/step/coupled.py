@@ -190,12 +190,13 @@ def global_value_and_grads(
         grads = pulled_back(spec, structure, arrays, diff, rows, key, row_ids, cotangent)
         return [a + g for a, g in zip(carry, constrain_grads(grads), strict=True)], None
 
-    zeros = constrain_grads([jnp.zeros_like(a, dtype=sums.wide_float(a.dtype)) for a in diff])
-    grad_sums, _ = jax.lax.scan(backward, zeros, (xs, cotangents))
-    grads = [
-        (s + g.astype(s.dtype)).astype(d)
-        for s, g, d in zip(grad_sums, g_direct, dtypes, strict=True)
-    ]
+    # The sums start from g_direct (no separate zeros and final add: one params-sized
+    # buffer fewer).
+    start = constrain_grads(
+        [g.astype(sums.wide_float(a.dtype)) for g, a in zip(g_direct, diff, strict=True)]
+    )
+    grad_sums, _ = jax.lax.scan(backward, start, (xs, cotangents))
+    grads = [s.astype(d) for s, d in zip(grad_sums, dtypes, strict=True)]
     return loss, constrain_grads(grads), aux
 
 
