@@ -3,13 +3,15 @@
 The passes of :mod:`unsplit._src.step.coupled`, each as a program whose
 inputs do not depend on the schedule:
 
-1. ``features`` (a chunk program, one per one-device group, compiled once and
-   relocated like the sums' chunk program): one chunk's features, forward only.
-   The chunks' features are moved to one device and concatenated in
+1. ``features`` (a chunk program per group -- one device, or the group's
+   model-parallel or FSDP-group devices -- compiled once per group size and
+   relocated like the sums' chunk program): one chunk's features, forward
+   only. The chunks' features are gathered onto one group per process in
    global-batch order (exact data movement).
-2. ``loss`` (one one-device program over the whole global batch's features):
-   ``loss, aux, g_direct`` (packed like the sums) and ``g_features``. Its
-   inputs are the same for every schedule, so are its bits.
+2. ``loss`` (one program on that group over the whole global batch's
+   features): ``loss, aux, g_direct`` (packed like the sums) and
+   ``g_features``. Its inputs are the same for every schedule, so are its
+   bits.
 3. ``pullback`` (a chunk program): one chunk recomputed and pulled back with
    its rows of ``g_features``, packed like the sums; the chunks' results are
    added in the canonical tree (:mod:`unsplit._src.bitwise.reduce`) as the
@@ -23,84 +25,107 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
+from unsplit._src import partition
+from unsplit._src.bitwise import programs
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import coupled, sums
 
 
-def check_supported(plan: Plan) -> None:
-    """Bitwise coupled steps run one-device groups (for now), in any number of processes."""
-    if plan.group_axes:
-        raise NotImplementedError(
-            "bitwise=True with batch_loss runs each chunk on one device; got params sharded "
-            f"over the model axes {plan.group_axes} (tensor parallel). Fix: use bitwise=False "
-            "(same result within float rounding), or keep the params replicated or sharded "
-            "over the batch axes (FSDP) only."
-        )
+def features_program(plan: Plan, spec: sums.LossSpec, group: int):
+    """Pass 1: one chunk's features (no gradient), on group ``group``'s devices.
 
-
-def features_program(plan: Plan, spec: sums.LossSpec):
-    """Pass 1: one chunk's features (no gradient)."""
+    Multi-device groups return them whole on every device of the group (FSDP
+    groups: each device its piece of the chunk's rows).
+    """
+    io = programs.GroupIO(plan, group)
     structure = plan.structure
 
     def run(vectors, chunk, hi, lo, key):
-        arrays = plan.params_flat.unpack(vectors)
+        chunk, hi, lo = io.rows((chunk, hi, lo))
+        arrays = io.unpack(vectors)
         ids = keys_lib.Ids64(hi=hi, lo=lo)
-        return coupled.features_of(
+        features = coupled.features_of(
             spec, structure, arrays, structure.diff_of(arrays), chunk, key, ids
         )
+        return io.rows(features) if plan.chunk_axes else io.replicated(features)
 
     return run
 
 
-def loss_program(plan: Plan, spec: sums.LossSpec):
-    """Pass 2: ``(loss, aux, g_direct packed like the sums, g_features)`` of the global batch."""
+def loss_program(plan: Plan, spec: sums.LossSpec, group: int):
+    """Pass 2: ``(loss, aux, g_direct packed like the sums, g_features)`` of the global batch.
+
+    On group ``group``'s devices, from the whole global features on each of them.
+    """
+    io = programs.GroupIO(plan, group)
     structure = plan.structure
 
     def run(vectors, features):
-        arrays = plan.params_flat.unpack(vectors)
+        arrays = io.unpack(vectors)
         diff = structure.diff_of(arrays)
         loss, aux, g_direct, g_features = coupled.loss_and_feature_grads(
-            spec, structure, arrays, diff, features
+            spec, structure, arrays, diff, io.replicated(features)
         )
-        return loss, aux, _pack(plan, g_direct), g_features
+        loss, aux, g_features = io.replicated((loss, aux, g_features))
+        return loss, aux, _pack(plan, io, g_direct), g_features
 
     return run
 
 
-def pullback_program(plan: Plan, spec: sums.LossSpec):
+def pullback_program(plan: Plan, spec: sums.LossSpec, group: int):
     """Pass 3: one chunk's param grads from its features' cotangents, packed like the sums."""
+    io = programs.GroupIO(plan, group)
     structure = plan.structure
 
     def run(vectors, chunk, hi, lo, key, cotangent):
-        arrays = plan.params_flat.unpack(vectors)
+        chunk, hi, lo, cotangent = io.rows((chunk, hi, lo, cotangent))
+        arrays = io.unpack(vectors)
         ids = keys_lib.Ids64(hi=hi, lo=lo)
         grads = coupled.pulled_back(
             spec, structure, arrays, structure.diff_of(arrays), chunk, key, ids, cotangent
         )
-        return _pack(plan, grads)
+        return _pack(plan, io, grads)
 
     return run
 
 
-def _pack(plan: Plan, grads):
+def _pack(plan: Plan, io: programs.GroupIO, grads):
     """Grads (wide floats) as the sums' flat vectors; the loss and weight slots are 0."""
     grads = [g.astype(sums.wide_float(g.dtype)) for g in grads]
-    zero = [jnp.zeros((), d) for d in plan.sums_flat.dtypes[-2:]]
-    return plan.sums_flat.pack([*grads, *zero])
+    loss_sum, weight = (jnp.zeros((), d) for d in plan.sums_flat.dtypes[-2:])
+    return io.pack_sums(grads, loss_sum, weight)
 
 
 def finish_program(plan: Plan, grad_shardings):
-    """The tree's total plus ``g_direct`` -> the grads pytree, in the params' dtypes and shardings."""
+    """The tree's total plus ``g_direct`` -> the grads pytree, in the params' dtypes and shardings.
+
+    Each device unpacks its own blocks (``shard_map`` over the step's mesh), as
+    :func:`programs.unpack_program` does.
+    """
     structure = plan.structure
     dtypes = [
         d for d, is_diff in zip(plan.params_flat.dtypes, structure.diff, strict=True) if is_diff
     ]
+    diff_specs = tuple(s for s, d in zip(plan.local_specs, structure.diff, strict=True) if d)
+    n = len(plan.sums_flat.vectors)
+
+    def local(*vectors):
+        *grads, _, _ = plan.sums_flat.unpack(vectors)
+        return tuple(grads)
+
+    split = jax.shard_map(
+        local,
+        mesh=plan.layout.mesh,
+        in_specs=(P(partition.entry(plan.group_axes)),) * n,
+        out_specs=diff_specs,
+        check_vma=False,
+    )
 
     def finish(totals, direct):
-        vectors = [t + d for t, d in zip(totals, direct, strict=True)]
-        *grads, _, _ = plan.sums_flat.unpack(vectors)
+        grads = split(*(t + d for t, d in zip(totals, direct, strict=True)))
         grads = [g.astype(d) for g, d in zip(grads, dtypes, strict=True)]
         return structure.grads_tree(grads)
 

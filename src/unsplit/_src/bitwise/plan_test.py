@@ -291,15 +291,11 @@ def test_chunk_axes_must_be_the_last_batch_axes(batch_axes, chunk_axes, match):
         )
 
 
-def test_chunk_axes_need_bitwise_mode_and_a_per_example_loss():
+def test_chunk_axes_need_bitwise_mode():
+    # (batch_loss takes chunk_axes too: bitwise/coupled_test.py)
     with pytest.raises(ValueError, match="only applies with bitwise=True"):
         unsplit.value_and_grad(WEIGHTED, mesh=group_mesh(2), chunk_axes="fsdp",
                                batch_axes=("data", "fsdp"))  # fmt: skip
-    with pytest.raises(NotImplementedError, match=r"batch_loss.*Fix: drop chunk_axes"):
-        unsplit.value_and_grad(
-            testing.clip_features, batch_loss=testing.clip_batch_loss, mesh=group_mesh(2),
-            batch_axes=("data", "fsdp"), bitwise=True, chunk_axes="fsdp",
-        )  # fmt: skip
 
 
 def test_large_gathered_params_warn_once_and_point_to_chunk_axes(monkeypatch):

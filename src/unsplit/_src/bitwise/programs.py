@@ -70,6 +70,72 @@ def pack_program(plan: Plan):
     return jax.jit(pack)
 
 
+class GroupIO:
+    """How a program on group ``group``'s devices reads the flat params and writes sums.
+
+    One-device groups: plain unpacking and packing. Groups of several devices
+    (model axes, chunk axes): per device, inside ``shard_map``, so each device
+    unpacks and packs only its local blocks (exact data movement).
+    """
+
+    def __init__(self, plan: Plan, group: int):
+        self.plan = plan
+        self.gmesh = plan.group_mesh(group) if plan.group_axes else None
+        self.gentry = partition.entry(plan.group_axes)
+        self.centry = partition.entry(plan.chunk_axes)
+        self.diff_specs = [
+            s for s, d in zip(plan.local_specs, plan.structure.diff, strict=True) if d
+        ]
+
+    def unpack(self, vectors) -> list:
+        """The params' array leaves (each device its local blocks) from the flat vectors."""
+        plan = self.plan
+        if self.gmesh is None:
+            return plan.params_flat.unpack(vectors)
+        return list(
+            jax.shard_map(
+                lambda *v: tuple(plan.params_flat.unpack(v)),
+                mesh=self.gmesh,
+                in_specs=(P(self.gentry),) * len(plan.params_flat.vectors),
+                out_specs=plan.local_specs,
+                check_vma=False,
+            )(*vectors)
+        )
+
+    def pack_sums(self, grads, loss_sum, weight) -> list:
+        """``(grads..., loss_sum, weight)`` as the sums' flat vectors (each device its blocks)."""
+        plan = self.plan
+        if self.gmesh is None:
+            return plan.sums_flat.pack([*grads, loss_sum, weight])
+        grads = [
+            jax.lax.with_sharding_constraint(g, NamedSharding(self.gmesh, s))
+            for g, s in zip(grads, self.diff_specs, strict=True)
+        ]
+        return list(
+            jax.shard_map(
+                lambda *xs: tuple(plan.sums_flat.pack(xs)),
+                mesh=self.gmesh,
+                in_specs=(*self.diff_specs, P(), P()),
+                out_specs=(P(self.gentry),) * len(plan.sums_flat.vectors),
+                check_vma=False,
+            )(*grads, loss_sum, weight)
+        )
+
+    def rows(self, tree):
+        """FSDP groups: each device computes its piece of the chunk's rows."""
+        if not self.plan.chunk_axes:
+            return tree
+        split = NamedSharding(self.gmesh, P(self.centry))
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, split), tree)
+
+    def replicated(self, tree):
+        """``tree`` whole on every device of the group (one-device groups: as it is)."""
+        if self.gmesh is None:
+            return tree
+        whole = NamedSharding(self.gmesh, P())
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), tree)
+
+
 def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
     """One chunk's packed partial sums (and its aux), on group ``group``'s devices.
 
@@ -78,57 +144,15 @@ def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
     program got other bits when the group's share (the loop's input shapes)
     changed.
     """
-    gmesh = plan.group_mesh(group) if plan.group_axes else None
-    gentry = partition.entry(plan.group_axes)
-    structure = plan.structure
-    n_params = len(plan.params_flat.vectors)
-    n_sums = len(plan.sums_flat.vectors)
-    diff_specs = [s for s, d in zip(plan.local_specs, structure.diff, strict=True) if d]
-
-    def unpack(vectors):
-        if gmesh is None:
-            return plan.params_flat.unpack(vectors)
-        return list(
-            jax.shard_map(
-                lambda *v: tuple(plan.params_flat.unpack(v)),
-                mesh=gmesh,
-                in_specs=(P(gentry),) * n_params,
-                out_specs=plan.local_specs,
-                check_vma=False,
-            )(*vectors)
-        )
-
-    def pack_sums(grads, loss_sum, weight):
-        if gmesh is None:
-            return plan.sums_flat.pack([*grads, loss_sum, weight])
-        grads = [
-            jax.lax.with_sharding_constraint(g, NamedSharding(gmesh, s))
-            for g, s in zip(grads, diff_specs, strict=True)
-        ]
-        return list(
-            jax.shard_map(
-                lambda *xs: tuple(plan.sums_flat.pack(xs)),
-                mesh=gmesh,
-                in_specs=(*diff_specs, P(), P()),
-                out_specs=(P(gentry),) * n_sums,
-                check_vma=False,
-            )(*grads, loss_sum, weight)
-        )
-
-    def rows(x):
-        # FSDP groups: each device computes its piece of the chunk's rows.
-        return jax.lax.with_sharding_constraint(x, NamedSharding(gmesh, P(centry)))
-
-    centry = partition.entry(plan.chunk_axes)
+    io = GroupIO(plan, group)
 
     def run(vectors, chunk, hi, lo, key):
-        if plan.chunk_axes:
-            chunk, hi, lo = jax.tree.map(rows, (chunk, hi, lo))
+        chunk, hi, lo = io.rows((chunk, hi, lo))
         ids = keys_lib.Ids64(hi=hi, lo=lo)
         (loss_sum, weight, grads), aux = sums.example_sums(
-            spec, structure, unpack(vectors), chunk, key, ids
+            spec, plan.structure, io.unpack(vectors), chunk, key, ids
         )
-        return pack_sums(grads, loss_sum, weight), aux
+        return io.pack_sums(grads, loss_sum, weight), aux
 
     return run
 

@@ -71,12 +71,6 @@ class BitwiseStep:
         self.spec = spec
         self.chunk_size = bitwise_plan.check_chunk_size(chunk_size)
         self.chunk_axes = bitwise_plan.check_chunk_axes(chunk_axes, layout.batch_axes)
-        if self.chunk_axes and spec.coupled:
-            raise NotImplementedError(
-                f"bitwise=True with batch_loss runs each chunk on one device; got "
-                f"chunk_axes={chunk_axes!r}. Fix: drop chunk_axes (params sharded over the batch "
-                "axes are then gathered whole on each device), or use bitwise=False."
-            )
         if layout.mesh is None:  # one device: a one-device mesh, the same programs
             device = jax.local_devices()[0]
             layout = Layout(Mesh(np.array([device]), ("batch",)), ("batch",))
@@ -423,23 +417,23 @@ class _Compiled:
 class _CoupledCompiled(_Compiled):
     """A coupled loss's passes (:mod:`unsplit._src.bitwise.coupled`), in the same placement.
 
-    Pass 1 runs a features chunk program per chunk on its group's device; the
-    features travel to one device (group 0's) and are concatenated in global
-    order; pass 2 runs the batch loss there, one program over the global
-    batch; pass 3 runs a pullback chunk program per chunk with its rows of the
-    features' cotangents, and the chunks' grads are added in the canonical tree.
+    Pass 1 runs a features chunk program per chunk on its group's devices; the
+    features are gathered whole onto one group per process (its first) in
+    global order; pass 2 runs the batch loss there, one program over the
+    global batch; pass 3 runs a pullback chunk program per chunk with its rows
+    of the features' cotangents, and the chunks' grads are added in the
+    canonical tree.
     """
 
     def __init__(self, owner: BitwiseStep, plan: bitwise_plan.Plan):
-        coupled.check_supported(plan)
         super().__init__(owner, plan)
         spec = owner.spec
-        self.features_fns = {g: coupled.features_program(plan, spec) for g in self.local_groups}
-        self.pullback_fns = {g: coupled.pullback_program(plan, spec) for g in self.local_groups}
-        self.loss_fn = coupled.loss_program(plan, spec)
-        # Pass 2 runs on one device per process (the first of its groups): every process
-        # gets the global features (an all-gather, exact) and runs the same program.
-        self.device = plan.group_devices(self.local_groups[0]).flat[0]
+        self.features_fns = {g: coupled.features_program(plan, spec, g) for g in self.local_groups}
+        self.pullback_fns = {g: coupled.pullback_program(plan, spec, g) for g in self.local_groups}
+        # Pass 2 runs on one group per process (its first): every process gets the global
+        # features (an all-gather, exact) and runs the same program.
+        self.head = self.local_groups[0]
+        self.loss_fn = coupled.loss_program(plan, spec, self.head)
         self.whole = NamedSharding(plan.compute, P())
         self.finish = self._program(
             ("finish", plan, owner.single),
@@ -457,17 +451,16 @@ class _CoupledCompiled(_Compiled):
         for g in self.local_groups:  # pass 1: each group's chunks, in global order
             group_vectors, chunks, group_key = inputs[g]
             run_chunk = self.stages["features"][g]
-            per_group[g] = programs.concat_rows(
-                [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
+            per_group[g] = self._concat(
+                [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks], g
             )
-        features = self._on_device(self._aux(per_group))  # every group's, on this device
-        vectors = [jax.device_put(v, self.device) for v in inputs[self.local_groups[0]][0]]
+        features = self._on_head(self._aux(per_group))  # every group's, on the head group
+        vectors = inputs[self.head][0]
         loss, aux, direct, g_features = self._loss_program(vectors, features)(vectors, features)
         cotangents = programs.split_chunks(g_features, plan.chunk)  # pass 3's inputs
 
         def cotangent(g, i):
-            (device,) = plan.group_devices(g).flat
-            return jax.device_put(cotangents[g * plan.per_group + i], device)
+            return self._onto_group(cotangents[g * plan.per_group + i], g)
 
         if "pullback" not in self.stages:
             pargs = {g: (*args[g], cotangent(g, 0)) for g in self.local_groups}
@@ -481,22 +474,63 @@ class _CoupledCompiled(_Compiled):
                 for i, chunk in enumerate(chunks)
             ]
         totals = self._total(outs)
-        direct = [_everywhere(d, t.sharding) for d, t in zip(direct, totals, strict=True)]
+        direct = [self._spread(d, t.sharding) for d, t in zip(direct, totals, strict=True)]
         grads = self.finish(totals, direct)
-        loss = _everywhere(loss, self.loss_sharding)
-        aux = jax.tree.map(lambda x: _everywhere(x, self.loss_sharding), aux)
+
+        def everywhere(x):  # replicated on the head group: one device's copy, everywhere
+            return _everywhere(x.addressable_data(0), self.loss_sharding)
+
+        loss, aux = everywhere(loss), jax.tree.map(everywhere, aux)
         return loss, grads, aux, jax.device_put(np.float32(1), self.loss_sharding)
 
-    def _on_device(self, tree):
-        """A global tree gathered whole (exact), as arrays on this process's pass-2 device."""
+    def _on_head(self, tree):
+        """A global tree gathered whole (exact), on every device of this process's head group."""
         whole = jax.jit(lambda t: t, out_shardings=self.whole)(tree)
-        return jax.tree.map(
-            lambda x: next(s.data for s in x.addressable_shards if s.device == self.device), whole
-        )
+        devices = list(self.plan.group_devices(self.head).flat)
+
+        def local(x):
+            by_device = {s.device: s.data for s in x.addressable_shards}
+            if len(devices) == 1:
+                return by_device[devices[0]]
+            sharding = NamedSharding(self.plan.group_mesh(self.head), P())
+            return jax.make_array_from_single_device_arrays(
+                x.shape, sharding, [by_device[d] for d in devices]
+            )
+
+        return jax.tree.map(local, whole)
+
+    def _onto_group(self, tree, g: int):
+        """Rows on the head group -> on group ``g``'s devices, placed as its chunk rows."""
+        plan = self.plan
+        devices = plan.group_devices(g)
+        if devices.size == 1:
+            (device,) = devices.flat
+            return jax.tree.map(lambda x: jax.device_put(x, device).addressable_data(0), tree)
+        spec = P(partition.entry(plan.chunk_axes)) if plan.chunk_axes else P()
+        return jax.device_put(tree, NamedSharding(plan.group_mesh(g), spec))
+
+    def _spread(self, x, sharding):
+        """The head group's packed ``x`` (sharded over the group axes) on ``sharding``'s
+        devices: each device gets the block of the head group's device at its position."""
+        plan = self.plan
+        head = plan.group_devices(self.head)
+        if head.size == 1:
+            return _everywhere(x.addressable_data(0), sharding)
+        blocks = {s.device: s.data for s in x.addressable_shards}
+        position = {}
+        for g in self.local_groups:
+            for where, device in np.ndenumerate(plan.group_devices(g)):
+                position[device] = head[where]
+        shards = [
+            jax.device_put(blocks[position[d]], d)
+            for d in sharding.addressable_devices_indices_map(np.shape(x))
+        ]
+        return jax.make_array_from_single_device_arrays(np.shape(x), sharding, shards)
 
     def _loss_program(self, vectors, features) -> Any:
-        """Pass 2's one-device program: compiled once per inputs' shapes, shared like the chunks'."""
+        """Pass 2's program on the head group: compiled once per inputs' shapes, shared."""
         plan, spec = self.plan, self.owner.spec
+        devices = plan.group_devices(self.head)
         leaves, treedef = jax.tree.flatten((vectors, features))
         avals = tuple((np.shape(x), str(x.dtype)) for x in leaves)
         key = (
@@ -507,12 +541,16 @@ class _CoupledCompiled(_Compiled):
             plan.structure,
             plan.params_flat,
             plan.sums_flat,
+            plan.local_specs,
+            plan.group_axes,
+            plan.chunk_axes,
             treedef,
             avals,
-            self.device.id,
+            devices.shape,
+            tuple(d.id for d in devices.flat),
         )
         if key not in self.shared:
-            low, options = programs.lower_chunk(self.loss_fn, (vectors, features), [self.device])
+            low, options = programs.lower_chunk(self.loss_fn, (vectors, features), devices.flat)
             compiled = low.compile(compiler_options=options)
             programs.check_chunk(compiled, options)
             self.shared[key] = compiled
