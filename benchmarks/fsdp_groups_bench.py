@@ -15,6 +15,9 @@ each chunk together, params kept sharded) and in bitwise mode without it
 * the process's peak resident memory during the first step (8 simulated devices
   in one process, so all 8 devices' buffers and the compiler's), each mode in a
   process of its own, above the same baseline (params and batch placed);
+* the same for an AdamW train step (``unsplit.train_step``; default mode's is one
+  jitted program), above the params and the optimizer state: with ``chunk_axes``
+  the update runs on each group's shards; without, whole on one device;
 * whether the loss and grads are bit-identical to the (data=1, fsdp=4) run.
 
 Goal (issue 20): bitwise with ``chunk_axes`` <= 1.5x default mode's per-device
@@ -33,6 +36,7 @@ import common
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -126,6 +130,21 @@ def rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def train_child(mode: str, quick: bool) -> dict:
+    """One mode's AdamW train step (``unsplit.train_step``) in this process: the peak RSS
+    its first call adds above the params and optimizer state."""
+    mesh = mesh_of(2)
+    params, x = inputs(mesh, quick)
+    optimizer = optax.adamw(1e-3)
+    opt_state = jax.jit(optimizer.init)(params)
+    key = jax.random.key(2)
+    jax.block_until_ready((params, opt_state, x))
+    base = rss()
+    train = unsplit.train_step(step_for(mode, mesh), optimizer)
+    jax.block_until_ready(train(params, opt_state, x, key))
+    return {"train_peak": rss() - base}
+
+
 def child(mode: str, quick: bool) -> dict:
     """One mode in this process: its compiled per-device memory and the peak RSS it adds."""
     mesh = mesh_of(2)
@@ -148,8 +167,9 @@ def child(mode: str, quick: bool) -> dict:
     return {"compiled": compiled, "peak": peak, "identical": identical}
 
 
-def run_child(mode: str, quick: bool) -> dict:
+def run_child(mode: str, quick: bool, train: bool = False) -> dict:
     argv = [sys.executable, __file__, "--child", mode] + (["--quick"] if quick else [])
+    argv += ["--train"] if train else []
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{mode}: {done.stderr[-3000:]}")
@@ -159,16 +179,21 @@ def run_child(mode: str, quick: bool) -> dict:
 def main() -> None:
     parser = common.bench_parser(__doc__)
     parser.add_argument("--child", help=argparse_hidden())
+    parser.add_argument("--train", action="store_true", help=argparse_hidden())
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.quick)))
+        run = train_child if args.train else child
+        print(json.dumps(run(args.child, args.quick)))
         return
     width, layers, batch = sizes(args.quick)
     n_params = width * width * layers
-    results = {mode: run_child(mode, args.quick) for mode in MODES}
+    results = {
+        mode: run_child(mode, args.quick) | run_child(mode, args.quick, True) for mode in MODES
+    }
     base = results["default"]
     header = ["mode (data=2, fsdp=4)", "per-device memory (XLA's analysis)", "vs default",
               "process peak above params (8 devices)", "vs default",
+              "AdamW train step: process peak above params and state", "vs default",
               "bit-identical to data=1"]  # fmt: skip
     cells = []
     for mode, r in results.items():
@@ -180,6 +205,8 @@ def main() -> None:
                 f"{r['compiled'] / base['compiled']:.2f}x",
                 f"{r['peak'] / 2**20:.0f} MiB",
                 f"{r['peak'] / max(base['peak'], 1):.2f}x",
+                f"{r['train_peak'] / 2**20:.0f} MiB",
+                f"{r['train_peak'] / max(base['train_peak'], 1):.2f}x",
                 same,
             ]
         )

@@ -31,6 +31,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import partition
+
 
 class CanonicalUpdate:
     """``fn(*trees)`` run on whole arrays on one device per process; results resharded.
@@ -154,6 +156,125 @@ def _bounds(index: tuple, shape: tuple) -> Any:
         (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True)
     )
     return None if all(b == (0, n) for b, n in zip(bounds, shape, strict=True)) else bounds
+
+
+class GroupedUpdate:
+    """``fn(*trees)`` run once per FSDP group, each leaf sharded over the group's axes only.
+
+    The update of a bitwise step with ``chunk_axes``: its bits are fixed by the
+    group (the chunk axes' sizes and the leaves' specs over them), not by the
+    other batch axes, as the step's are. Every leaf keeps only the ``axes`` of
+    its sharding (gathered over the others first, exactly, if it had any); each
+    group of devices along ``axes`` runs ``fn`` as one SPMD program over its own
+    shards (the same program for every group, compiled for each group's
+    devices); the outputs are put together on the mesh and given the sharding
+    of the input leaf each one replaces. Memory per device: the leaves' shards
+    over the group, as default mode's FSDP update holds them (not the whole
+    arrays on one device, as :class:`CanonicalUpdate` does).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> mesh = jax.make_mesh((2, 2), ("data", "fsdp"))
+        >>> w = jax.device_put(jnp.arange(4.0), jax.sharding.NamedSharding(mesh, jax.P("fsdp")))
+        >>> double = GroupedUpdate(lambda w: (w * 2,), mesh, outputs=1, axes=("fsdp",))
+        >>> (out,) = double(w)
+        >>> out.tolist(), out.sharding == w.sharding
+        ([0.0, 2.0, 4.0, 6.0], True)
+    """
+
+    def __init__(
+        self, fn: Callable[..., tuple], mesh: jax.sharding.Mesh, *, outputs: int, axes: tuple
+    ):
+        self.fn, self.mesh, self.outputs, self.axes = fn, mesh, outputs, tuple(axes)
+        names = list(mesh.axis_names)
+        order = [names.index(a) for a in names if a not in self.axes]
+        order += [names.index(a) for a in self.axes]
+        grid = np.transpose(np.asarray(mesh.devices), order)
+        grid = grid.reshape(-1, *(mesh.shape[a] for a in self.axes))
+        me = jax.process_index()
+        types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+        self.groups = [
+            jax.sharding.Mesh(g, self.axes, axis_types=tuple(types[a] for a in self.axes))
+            for g in grid
+            if any(d.process_index == me for d in g.flat)
+        ]
+        self.replicated = NamedSharding(mesh, P())
+        self._programs: dict[Any, Any] = {}
+        self._gathers: dict[Any, Callable] = {}
+
+    def __call__(self, *trees: Any) -> tuple:
+        trees = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, int | float) else x, trees)
+        targets = jax.tree.map(self._target, trees[: self.outputs])
+        local_specs = jax.tree.map(lambda x: partition.keep_axes(self._spec(x), self.axes), trees)
+        trees = self._gathered(trees, local_specs)
+        outs = [self._run(g, trees, local_specs) for g in self.groups]
+        leaves = [jax.tree.leaves(out) for out in outs]
+        treedef = jax.tree.structure(outs[0])
+        out_specs = jax.tree.leaves(tuple(local_specs[: self.outputs]), is_leaf=_is_spec)
+        arrays = []
+        for i, spec in enumerate(out_specs):
+            shards = [s.data for per_group in leaves for s in per_group[i].addressable_shards]
+            sharding = NamedSharding(self.mesh, spec)
+            arrays.append(
+                jax.make_array_from_single_device_arrays(leaves[0][i].shape, sharding, shards)
+            )
+        out = jax.tree.unflatten(treedef, arrays)
+        return self._resharded(out, targets)
+
+    def _spec(self, x: Any) -> P:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
+            return P(*sharding.spec, *([None] * (np.ndim(x) - len(sharding.spec))))
+        return P(*([None] * np.ndim(x)))
+
+    def _target(self, x: Any) -> jax.sharding.Sharding:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
+            return sharding
+        return self.replicated
+
+    def _gathered(self, trees: tuple, local_specs: tuple) -> tuple:
+        """Every leaf on the mesh with only the group axes in its spec (exact data movement)."""
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), local_specs, is_leaf=_is_spec
+        )
+        key = (jax.tree.structure(trees), tuple(jax.tree.leaves(shardings)))
+        if key not in self._gathers:
+            self._gathers[key] = jax.jit(lambda t: t, out_shardings=shardings)
+        return self._gathers[key](trees)
+
+    def _run(self, gmesh: jax.sharding.Mesh, trees: tuple, local_specs: tuple) -> Any:
+        """``fn`` on group ``gmesh``'s shards: one SPMD program over the group's devices."""
+
+        def on_group(x, spec):
+            by_device = {s.device: s.data for s in x.addressable_shards}
+            sharding = NamedSharding(gmesh, spec)
+            shards = [by_device[d] for d in gmesh.devices.flat]
+            return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+
+        args = jax.tree.map(on_group, trees, local_specs)
+        out_shardings = jax.tree.map(
+            lambda s: NamedSharding(gmesh, s), tuple(local_specs[: self.outputs]), is_leaf=_is_spec
+        )
+        key = (
+            tuple(d.id for d in gmesh.devices.flat),
+            jax.tree.structure(trees),
+            tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(trees)),
+            tuple(jax.tree.leaves(local_specs, is_leaf=_is_spec)),
+        )
+        if key not in self._programs:
+            self._programs[key] = jax.jit(self.fn, out_shardings=out_shardings)
+        return self._programs[key](*args)
+
+    def _resharded(self, out: Any, targets: Any) -> Any:
+        key = (jax.tree.structure(out), tuple(jax.tree.leaves(targets)))
+        if key not in self._gathers:
+            self._gathers[key] = jax.jit(lambda t: t, out_shardings=targets)
+        return self._gathers[key](out)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
 
 
 def canonical_sum(tree: Any, axis: int = 0) -> Any:

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src.canonical_update import CanonicalUpdate
+from unsplit._src.canonical_update import CanonicalUpdate, GroupedUpdate
 
 VALUES = jax.random.normal(jax.random.key(0), (4096, 3))
 
@@ -96,3 +96,26 @@ def test_only_the_update_device_holds_the_whole_arrays():
     assert all(added[d] == 0 for d in mesh.devices.flat if d != update.device), added
     assert [s.data.shape for s in new_w.addressable_shards] == [(n // 4,)] * 4
     assert new_w.tolist() == [x - 1.0 for x in range(n)]
+
+
+def test_a_grouped_update_keeps_every_leaf_in_shards():
+    # FSDP groups (chunk_axes): each group updates its own shards; no device holds more than
+    # its shards of the inputs, and the layout comes back as it was.
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    n = 4096
+    w = jax.device_put(jnp.arange(float(n)), NamedSharding(mesh, P("fsdp")))
+    g = jax.device_put(jnp.ones(n), NamedSharding(mesh, P("fsdp")))
+    count = jax.device_put(jnp.int32(0), NamedSharding(mesh, P()))
+    update = GroupedUpdate(lambda w, c, g: (w - g, c + 1), mesh, outputs=2, axes=("fsdp",))
+    assert len(update.groups) == 2
+    new_w, new_count = update(w, count, g)
+    assert new_w.sharding == w.sharding and new_count.sharding == count.sharding
+    assert [s.data.shape for s in new_w.addressable_shards] == [(n // 4,)] * 8
+    assert new_w.tolist() == [x - 1.0 for x in range(n)] and int(new_count) == 1
+    # A leaf sharded over another axis too is gathered over it (exact) and comes back so.
+    v = jax.device_put(jnp.arange(8.0).reshape(2, 4), NamedSharding(mesh, P("data", "fsdp")))
+    (new_v,) = GroupedUpdate(lambda v: (v * 2,), mesh, outputs=1, axes=("fsdp",))(v)
+    assert (
+        new_v.sharding == v.sharding
+        and new_v.tolist() == (2 * np.arange(8.0)).reshape(2, 4).tolist()
+    )

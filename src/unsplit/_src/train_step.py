@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import optax
 
-from unsplit._src.canonical_update import CanonicalUpdate
+from unsplit._src.canonical_update import CanonicalUpdate, GroupedUpdate
 from unsplit._src.step import validate
 from unsplit._src.value_and_grad import Step, memory_hint
 
@@ -117,16 +117,25 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
             jax.jit(fused_state, donate_argnums=0),
         )
 
-    # Bitwise: the update too is one program on whole arrays, whatever the schedule.
+    # Bitwise: the update too is one program whatever the schedule: on whole arrays, or, with
+    # FSDP groups (chunk_axes), on each group's shards (its bits fixed by the group, as the
+    # step's are).
     bitwise = _BitwiseTrain(step)
     mesh = step.engine.layout.mesh
+    groups = tuple(a for a in step.engine.chunk_axes if mesh.shape[a] > 1)
+
+    def canonical(fn, outputs):
+        if groups:
+            return GroupedUpdate(fn, mesh, outputs=outputs, axes=groups)
+        return CanonicalUpdate(fn, mesh, outputs=outputs)
+
     return _Train(
         step,
         optimizer,
-        functools.partial(bitwise, CanonicalUpdate(update, mesh, outputs=2)),
+        functools.partial(bitwise, canonical(update, 2)),
         functools.partial(
             bitwise.with_state,
-            CanonicalUpdate(lambda state, grads: (update_state(state, grads),), mesh, outputs=1),
+            canonical(lambda state, grads: (update_state(state, grads),), 1),
         ),
     )
 

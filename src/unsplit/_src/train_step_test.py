@@ -291,6 +291,12 @@ def test_fsdp_group_runs_end_in_the_same_bits_for_every_data_parallel_degree():
         for i in range(3):
             _, params, opt_state = train(params, opt_state, MLP_X, jax.random.fold_in(KEY, i))
         assert params["w1"].sharding.spec == P("fsdp")  # the layout is kept
+        for leaf in jax.tree.leaves((params, opt_state)):  # each group's copy is the same
+            copies = {}
+            for shard in leaf.addressable_shards:
+                copies.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+            for same in copies.values():
+                assert all(unsplit.testing.bits_equal(same[0], other) for other in same[1:])
         results.append(jax.device_get((params, opt_state)))
     assert unsplit.testing.bits_equal(results[0], results[1])
     assert unsplit.testing.rel_l2(results[0][0], mlp_init()) > 1e-4  # it trained
