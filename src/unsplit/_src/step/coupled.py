@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from unsplit._src import keys as keys_lib
-from unsplit._src.step import state_guard, sums
+from unsplit._src.step import state_guard, sums, validate
 
 
 def check_features(features: Any) -> Any:
@@ -44,7 +44,7 @@ def check_features(features: Any) -> Any:
     if not leaves:
         raise TypeError(
             "features_fn must return one example's features, a pytree of floating-point "
-            f"arrays (e.g. {{'image': img_emb, 'text': txt_emb}}); got {_describe(features)} "
+            f"arrays (e.g. {{'image': img_emb, 'text': txt_emb}}); got {validate.describe(features, 'it')} "
             "with no array in it. Fix: return the arrays batch_loss needs for this example."
         )
     for path, leaf in leaves:
@@ -52,7 +52,7 @@ def check_features(features: Any) -> Any:
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype") or isinstance(leaf, str):
             raise TypeError(
                 f"features_fn must return a pytree of arrays for one example; {where} is "
-                f"{_describe(leaf)}. Fix: return jnp arrays only (put Python values and "
+                f"{validate.describe(leaf, 'it')}. Fix: return jnp arrays only (put Python values and "
                 "settings in batch_loss's closure, not in the features)."
             )
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -72,19 +72,19 @@ def check_batch_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
         if not isinstance(out, tuple | list) or len(out) != 2:
             raise TypeError(
                 "with has_aux=True, batch_loss must return a pair (loss, aux) for the global "
-                f"batch; got {_describe(out)}. Fix: return e.g. (loss, {{'accuracy': acc}}), "
+                f"batch; got {validate.describe(out, 'it')}. Fix: return e.g. (loss, {{'accuracy': acc}}), "
                 "or use has_aux=False."
             )
         out, aux = out
     elif isinstance(out, tuple | list):
         raise TypeError(
-            f"batch_loss returned {_describe(out)}; it must return the scalar loss of the "
+            f"batch_loss returned {validate.describe(out, 'it')}; it must return the scalar loss of the "
             "global batch. Fix: pass has_aux=True if it returns (loss, aux)."
         )
     if not hasattr(out, "shape") or jnp.shape(out) != ():
         raise TypeError(
             f"batch_loss must return the scalar loss of the global batch; got "
-            f"{_describe(out)}. Fix: reduce over the batch inside batch_loss "
+            f"{validate.describe(out, 'it')}. Fix: reduce over the batch inside batch_loss "
             "(e.g. jnp.mean over examples)."
         )
     if not jnp.issubdtype(jnp.result_type(out), jnp.floating):
@@ -198,15 +198,3 @@ def global_value_and_grads(
     grad_sums, _ = jax.lax.scan(backward, start, (xs, cotangents))
     grads = [s.astype(d) for s, d in zip(grad_sums, dtypes, strict=True)]
     return loss, constrain_grads(grads), aux
-
-
-def _describe(out: Any) -> str:
-    if out is None:
-        return "None (did it forget to return?)"
-    if isinstance(out, dict):
-        return f"a dict with keys {sorted(map(str, out))}"
-    if isinstance(out, tuple | list):
-        return f"a {type(out).__name__} of length {len(out)}"
-    if hasattr(out, "shape") and hasattr(out, "dtype"):
-        return f"an array of shape {tuple(out.shape)} and dtype {out.dtype}"
-    return f"{type(out).__name__} {out!r}"[:120]

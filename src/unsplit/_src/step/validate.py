@@ -211,7 +211,7 @@ def aux_pair(out: Any, weighted: bool) -> tuple[Any, Any]:
     if not isinstance(out, tuple | list) or len(out) != 2:
         raise TypeError(
             f"with has_aux=True, loss_fn must return a pair ({value}, aux) for one example; "
-            f"got {_describe(out)}. Fix: return e.g. ({value}, {{'accuracy': acc}}), or use "
+            f"got {describe(out)}. Fix: return e.g. ({value}, {{'accuracy': acc}}), or use "
             "has_aux=False."
         )
     return out[0], out[1]
@@ -223,7 +223,7 @@ def loss_output(out: Any, weighted: bool) -> tuple[jax.Array, jax.Array]:
         if not isinstance(out, tuple | list) or len(out) != 2:
             raise TypeError(
                 "with weighted=True, loss_fn must return a pair (loss_sum, weight) for one "
-                f"example; got {_describe(out)}. Fix: return e.g. (jnp.sum(token_losses * "
+                f"example; got {describe(out)}. Fix: return e.g. (jnp.sum(token_losses * "
                 "mask), jnp.sum(mask)), or use weighted=False for a plain scalar loss."
             )
         loss_sum, weight = out
@@ -232,7 +232,7 @@ def loss_output(out: Any, weighted: bool) -> tuple[jax.Array, jax.Array]:
         return _float32(loss_sum), jax.lax.stop_gradient(weight.astype(jnp.float32))
     if isinstance(out, tuple | list):
         raise TypeError(
-            f"loss_fn returned {_describe(out)}; with weighted=False it must return the scalar "
+            f"loss_fn returned {describe(out)}; with weighted=False it must return the scalar "
             "loss of one example. Fix: pass weighted=True if it returns (loss_sum, weight), "
             "or has_aux=True if it returns (loss, aux)."
         )
@@ -278,7 +278,7 @@ def _scalar(x: Any, what: str, floating: bool = True) -> jax.Array:
         or not (hasattr(x, "shape") or isinstance(x, int | float))
     ):
         raise TypeError(
-            f"{what} must be a scalar array; got {_describe(x)}. Fix: return a scalar "
+            f"{what} must be a scalar array; got {describe(x)}. Fix: return a scalar "
             "such as jnp.sum(losses); put extra outputs in aux with has_aux=True."
         )
     shape = np.shape(x)
@@ -308,9 +308,10 @@ def _float32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32) if narrow else x
 
 
-def _describe(out: Any) -> str:
+def describe(out: Any, who: str = "loss_fn") -> str:
+    """What a user's function returned, in words, for an error message."""
     if out is None:
-        return "None (did loss_fn forget to return?)"
+        return f"None (did {who} forget to return?)"
     if isinstance(out, dict):
         return f"a dict with keys {sorted(map(str, out))}"
     if isinstance(out, tuple | list):
