@@ -211,13 +211,17 @@ class GroupedUpdate:
         leaves = [jax.tree.leaves(out) for out in outs]
         treedef = jax.tree.structure(outs[0])
         out_specs = jax.tree.leaves(tuple(local_specs[: self.outputs]), is_leaf=_is_spec)
+        target_leaves = jax.tree.leaves(
+            targets, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+        )
         arrays = []
-        for i, spec in enumerate(out_specs):
+        for i, (spec, target) in enumerate(zip(out_specs, target_leaves, strict=True)):
             shards = [s.data for per_group in leaves for s in per_group[i].addressable_shards]
+            shape = leaves[0][i].shape
             sharding = NamedSharding(self.mesh, spec)
-            arrays.append(
-                jax.make_array_from_single_device_arrays(leaves[0][i].shape, sharding, shards)
-            )
+            if target.is_equivalent_to(sharding, len(shape)):
+                sharding = target  # the input's own sharding object (the same layout)
+            arrays.append(jax.make_array_from_single_device_arrays(shape, sharding, shards))
         out = jax.tree.unflatten(treedef, arrays)
         return self._resharded(out, targets)
 
@@ -234,14 +238,30 @@ class GroupedUpdate:
         return self.replicated
 
     def _gathered(self, trees: tuple, local_specs: tuple) -> tuple:
-        """Every leaf on the mesh with only the group axes in its spec (exact data movement)."""
-        shardings = jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s), local_specs, is_leaf=_is_spec
+        """Every leaf on the mesh with only the group axes in its spec (exact data movement).
+
+        Leaves already so (the usual FSDP layout) are used as they are: no copy.
+        """
+        leaves, treedef = jax.tree.flatten(trees)
+        specs = jax.tree.leaves(local_specs, is_leaf=_is_spec)
+        todo = [
+            i for i, (x, s) in enumerate(zip(leaves, specs, strict=True)) if not self._has(x, s)
+        ]
+        if todo:
+            shardings = [NamedSharding(self.mesh, specs[i]) for i in todo]
+            key = ("gather", tuple(shardings))
+            if key not in self._gathers:
+                self._gathers[key] = jax.jit(lambda xs: xs, out_shardings=shardings)
+            for i, x in zip(todo, self._gathers[key]([leaves[i] for i in todo]), strict=True):
+                leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
+
+    def _has(self, x: Any, spec: P) -> bool:
+        """Whether ``x`` is already on the mesh with sharding ``spec``."""
+        sharding = getattr(x, "sharding", None)
+        return isinstance(x, jax.Array) and sharding.is_equivalent_to(
+            NamedSharding(self.mesh, spec), np.ndim(x)
         )
-        key = (jax.tree.structure(trees), tuple(jax.tree.leaves(shardings)))
-        if key not in self._gathers:
-            self._gathers[key] = jax.jit(lambda t: t, out_shardings=shardings)
-        return self._gathers[key](trees)
 
     def _run(self, gmesh: jax.sharding.Mesh, trees: tuple, local_specs: tuple) -> Any:
         """``fn`` on group ``gmesh``'s shards: one SPMD program over the group's devices."""
@@ -267,10 +287,21 @@ class GroupedUpdate:
         return self._programs[key](*args)
 
     def _resharded(self, out: Any, targets: Any) -> Any:
-        key = (jax.tree.structure(out), tuple(jax.tree.leaves(targets)))
-        if key not in self._gathers:
-            self._gathers[key] = jax.jit(lambda t: t, out_shardings=targets)
-        return self._gathers[key](out)
+        """Each output with its input's sharding (a slice, exact); those already so as they are."""
+        leaves, treedef = jax.tree.flatten(out)
+        targets = jax.tree.leaves(targets, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        todo = [
+            i
+            for i, (x, t) in enumerate(zip(leaves, targets, strict=True))
+            if not x.sharding.is_equivalent_to(t, x.ndim)
+        ]
+        if todo:
+            key = ("reshard", tuple(targets[i] for i in todo))
+            if key not in self._gathers:
+                self._gathers[key] = jax.jit(lambda xs: xs, out_shardings=list(key[1]))
+            for i, x in zip(todo, self._gathers[key]([leaves[i] for i in todo]), strict=True):
+                leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
 
 
 def _is_spec(x: Any) -> bool:
