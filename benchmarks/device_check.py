@@ -13,7 +13,9 @@ It sets the flags bitwise mode needs on GPU (``--xla_gpu_deterministic_ops=true
    params on every device count, params and optimizer state compared bit for bit;
 2. **bitwise vs default time**: the same step, side by side in alternating rounds, with
    replicated params, FSDP params and, with 2+ devices, tensor parallel (data, model=2);
-3. **the dropout and attention benches** (``dropout_bench.py`` and
+3. **a contrastive step** (``batch_loss``): bitwise bits across microbatches, and
+   default mode's time vs a plain jit at 1 and 8 microbatches;
+4. **the dropout and attention benches** (``dropout_bench.py`` and
    ``attention_bench.py`` with ``--quick``), their tables as printed.
 
 Everything goes to stdout and, with ``--out``, to a markdown file headed by the device's
@@ -136,13 +138,15 @@ def timing(lines: list[str]) -> None:
     key = jax.random.key(0)
     n = max(device_counts(jax.device_count()))
     auto = (jax.sharding.AxisType.Auto,) * 2
-    layouts = [("replicated", (n, 1), None), ("FSDP", (n, 1), "fsdp")]
+    layouts = [("replicated", (n, 1), None, None), ("FSDP", (n, 1), "fsdp", None)]
+    # A bigger chunk: fewer, larger chunk programs per step (64 // n rows: one per device).
+    layouts.append((f"replicated, chunk_size={64 // n}", (n, 1), None, 64 // n))
     if n >= 2:
-        layouts.append(("tensor parallel, Megatron", (n // 2, 2), "megatron"))
+        layouts.append(("tensor parallel, Megatron", (n // 2, 2), "megatron", None))
     lines += ["", f"### Step time, bitwise / default ({n} devices, batch 64)", "",
               "| layout | bitwise / default (median, min-max) | first call: bitwise / default |",
               "|---|---|---|"]  # fmt: skip
-    for name, shape, specs in layouts:
+    for name, shape, specs, chunk_size in layouts:
         if left() < 90:
             lines.append(f"| {name} | skipped (time) | |")
             continue
@@ -152,11 +156,12 @@ def timing(lines: list[str]) -> None:
             spec_tree = fsdp_specs(host, "data", shape[0])
         elif specs == "megatron":
             spec_tree = megatron_specs(host)
-        ratio, first = time_layout(model, on_mesh(host, mesh, spec_tree), batch, key, mesh)
+        params = on_mesh(host, mesh, spec_tree)
+        ratio, first = time_layout(model, params, batch, key, mesh, chunk_size)
         lines.append(f"| {name} | {common.ratio_cell(ratio)} | {first:.1f}x |")
 
 
-def time_layout(model, params, batch, key, mesh):
+def time_layout(model, params, batch, key, mesh, chunk_size=None):
     """(bitwise / default step time, bitwise / default first call) for one layout."""
     import common
 
@@ -164,7 +169,9 @@ def time_layout(model, params, batch, key, mesh):
     from unsplit.models import token_loss
 
     default = unsplit.value_and_grad(token_loss(model), weighted=True, mesh=mesh)
-    bitwise = unsplit.value_and_grad(token_loss(model), weighted=True, mesh=mesh, bitwise=True)
+    bitwise = unsplit.value_and_grad(
+        token_loss(model), weighted=True, mesh=mesh, bitwise=True, chunk_size=chunk_size
+    )
     first = common.time_once(lambda: bitwise(params, batch, key)) / common.time_once(
         lambda: default(params, batch, key)
     )
@@ -174,6 +181,37 @@ def time_layout(model, params, batch, key, mesh):
     }
     results = common.compare(candidates, baseline="default", repeats=7, inner=3, warmup=1)
     return next(r for r in results if r.name == "bitwise"), first
+
+
+def coupled(lines: list[str]) -> None:
+    """A contrastive step (``batch_loss``): bits across microbatches, time vs plain jit."""
+    import common
+    import coupled_bench as cb
+    import jax
+
+    import unsplit
+
+    params, data = cb.problem(256, 512, tokens=16)
+    key = jax.random.key(3)
+    lines += ["", "### Contrastive step (batch_loss), batch 256, 16-token towers", "",
+              "| step | bits vs microbatches=1 (bitwise) | time / plain jit (default mode) |",
+              "|---|---|---|"]  # fmt: skip
+    first = None
+    for k in (1, 2, 4):
+        step = unsplit.value_and_grad(
+            cb.features_fn, batch_loss=cb.batch_loss_fn, microbatches=k, bitwise=True
+        )
+        out = jax.device_get(step(params, data, key))
+        first = out if first is None else first
+        lines.append(f"| bitwise, microbatches={k} | {unsplit.testing.bits_equal(out, first)} | |")
+    plain = jax.jit(jax.value_and_grad(cb.plain_loss))
+    candidates = {"plain": lambda: plain(params, data, key)}
+    for k in (1, 8):
+        step = unsplit.value_and_grad(cb.features_fn, batch_loss=cb.batch_loss_fn, microbatches=k)
+        candidates[f"unsplit k={k}"] = lambda s=step: s(params, data, key)
+    for r in common.compare(candidates, baseline="plain", repeats=7, inner=3, warmup=1):
+        if r.name != "plain":
+            lines.append(f"| default, {r.name} | | {common.ratio_cell(r)} |")
 
 
 def benches(lines: list[str]) -> None:
@@ -206,7 +244,7 @@ def main() -> int:
         "",
         f"jax {jax.__version__}; XLA_FLAGS={os.environ['XLA_FLAGS']}",
     ]
-    for part in (grid, timing, benches):
+    for part in (grid, timing, coupled, benches):
         try:
             part(lines)
         except Exception as error:  # report it and go on: one part's failure is a finding
