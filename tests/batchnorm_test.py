@@ -147,6 +147,41 @@ def test_bitwise_is_bit_identical_across_schedules():
     assert all(unsplit.testing.bits_equal(r, runs[0]) for r in runs[1:])
 
 
+def flat_rows():
+    return jax.tree.map(lambda x: x.reshape(B, *x.shape[2:]), data())
+
+
+@pytest.mark.parametrize(("devices", "microbatches"), [(1, 1), (4, 2)])
+def test_group_size_on_a_flat_batch_is_the_reshaped_recipe(devices, microbatches):
+    # group_size=G: the step groups the rows itself (ids are the rows' ids).
+    mesh = jax.make_mesh((devices,), ("data",)) if devices > 1 else None
+    step = unsplit.value_and_grad(features_fn, batch_loss=batch_loss_fn, has_aux=True,
+                                  microbatches=microbatches, mesh=mesh, group_size=G)  # fmt: skip
+    (loss, pooled), grads = step(VARIABLES, flat_rows(), KEY, ids=np.arange(B))
+    (ref_loss, ref_pooled), ref_grads = reference()
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert unsplit.testing.rel_l2(grads["params"], ref_grads["params"]) <= 1e-5
+    assert unsplit.testing.rel_l2(pooled, ref_pooled) <= 1e-6
+
+
+def test_group_size_in_bitwise_mode_gives_the_recipe_bits():
+    step = unsplit.value_and_grad(features_fn, batch_loss=batch_loss_fn, has_aux=True,
+                                  mesh=jax.make_mesh((8,), ("data",)), bitwise=True,
+                                  chunk_size=1, group_size=G)  # fmt: skip
+    out = jax.device_get(step(VARIABLES, flat_rows(), KEY))
+    assert unsplit.testing.bits_equal(out, jax.device_get(step_for(1, 1, bitwise=True)(
+        VARIABLES, data(), KEY)))  # fmt: skip
+
+
+def test_a_schedule_that_would_split_a_group_is_refused():
+    # 32 rows over 8 devices x 2 microbatches: 2 rows per piece, half a group of 4.
+    step = unsplit.value_and_grad(features_fn, batch_loss=batch_loss_fn, has_aux=True,
+                                  microbatches=2, mesh=jax.make_mesh((8,), ("data",)),
+                                  group_size=G)  # fmt: skip
+    with pytest.raises(ValueError, match=r"would split a group.*2 rows each.*multiple of 4"):
+        step(VARIABLES, flat_rows(), KEY)
+
+
 def test_a_plain_batchnorm_in_a_per_example_loss_is_refused_naming_the_recipe():
     def loss_fn(variables, row, key):
         pred, _ = MODEL.apply(variables, row["x"][None], train=True, rngs={"dropout": key},

@@ -194,6 +194,7 @@ class _BitwiseTrain:
     def grads(self, params, batch, key, ids):
         """The step's (out, grads, params); params re-placed only when they are new."""
         step = self.step
+        batch, ids = step.group(batch, ids)
         ids = step.check_inputs(params, batch, key, ids)
         signature = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(batch)))
         if params is not self._returned or self._state is None or self._state[0] != signature:

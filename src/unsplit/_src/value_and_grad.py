@@ -19,7 +19,7 @@ from unsplit._src import keys as keys_lib
 from unsplit._src.audit import finding as audit_finding
 from unsplit._src.audit import loss as audit_loss
 from unsplit._src.processes import agreement
-from unsplit._src.step import sums, validate
+from unsplit._src.step import groups, sums, validate
 from unsplit._src.step.default import DefaultStep
 from unsplit._src.step.layout import Layout
 
@@ -39,6 +39,7 @@ def value_and_grad(
     bitwise: bool = False,
     chunk_size: int | None = None,
     chunk_axes: str | tuple[str, ...] | None = None,
+    group_size: int | None = None,
     audit: bool = False,
     checked: bool = False,
 ) -> Step:
@@ -83,6 +84,14 @@ def value_and_grad(
             batch axes. Per-device memory then scales as params / group size.
             Default ``None``: every device computes its chunks alone, with
             params sharded over the batch axes gathered whole.
+        group_size: make every ``group_size`` consecutive rows of the batch
+            (global ids ``g*G ... g*G+G-1``) ONE example: the loss (or
+            ``features_fn``) gets them as arrays of shape ``(G, ...)`` and the
+            key ``example_keys(key, g)``, and ``ids`` are the rows' ids. For
+            layers that couple a few rows (ghost BatchNorm, see
+            ``docs/coupled.md``): no microbatch or device share can split a
+            group (a schedule that would raises), so their statistics are the
+            same for every schedule. Default ``None``: one row per example.
         audit: on the first call, run every per-example check of
             :func:`unsplit.audit` (by tracing, nothing runs) and raise
             :class:`unsplit.AuditError` on any finding that makes the step
@@ -136,6 +145,7 @@ def value_and_grad(
         bitwise=bitwise,
         chunk_size=chunk_size,
         chunk_axes=chunk_axes,
+        group_size=group_size,
         audit=audit,
         checked=checked,
     )
@@ -162,6 +172,7 @@ class Step:
         bitwise: bool = False,
         chunk_size: int | None = None,
         chunk_axes: str | tuple[str, ...] | None = None,
+        group_size: int | None = None,
         audit: bool = False,
         checked: bool = False,
     ):
@@ -178,6 +189,7 @@ class Step:
             batch_loss=batch_loss,
         )
         self.microbatches = int(microbatches)
+        self.group_size = groups.check_group_size(group_size)
         self.layout = Layout.make(mesh, batch_axes)
         self.bitwise = validate.check_flag("bitwise", bitwise)
         self.chunk_size = chunk_size
@@ -240,7 +252,8 @@ class Step:
         return (
             f"Step({name}, weighted={self.weighted}, has_aux={self.has_aux}, "
             f"microbatches={self.microbatches}, mesh={mesh}, batch_axes={self.batch_axes}, "
-            f"bitwise={self.bitwise})"
+            f"bitwise={self.bitwise}"
+            + (f", group_size={self.group_size})" if self.group_size else ")")
         )
 
     def settings(self) -> dict[str, Any]:
@@ -250,6 +263,7 @@ class Step:
             "chunk_size": self.chunk_size,
             "chunk_axes": getattr(getattr(self, "_impl", None), "chunk_axes", ()),
             "microbatches": self.microbatches,
+            "group_size": self.group_size,
             "weighted": self.weighted,
             "has_aux": self.has_aux,
             "coupled": self.spec.coupled,
@@ -326,10 +340,21 @@ class Step:
                 "fixed-order reduction); lower() describes default mode's single program. "
                 "Fix: call lower() on a bitwise=False step to inspect its program."
             )
+        batch, ids = self.group(batch, ids)
         return self._impl.lower(params, batch, key, self._checked(params, batch, key, ids))
+
+    def group(self, batch: Any, ids: Any = None) -> tuple[Any, Any]:
+        """With ``group_size``: the row batch and row ids as the group batch and group ids
+        (checked: no schedule piece splits a group); without, ``(batch, ids)`` as given.
+        ``step(...)`` runs this first; :meth:`check_inputs` takes its result."""
+        if self.group_size is None:
+            return batch, ids
+        shares = self.num_devices * (1 if self.bitwise else self.microbatches)
+        return groups.group_rows(batch, ids, self.group_size, shares=shares)
 
     def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
         with memory_hint(self):  # also the first call's transfers and compiles
+            batch, ids = self.group(batch, ids)
             ids = self.check_inputs(params, batch, key, ids)
             loss, grads, aux, weight = self._impl(params, batch, key, ids)
         if self.checked:
