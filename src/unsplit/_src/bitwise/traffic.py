@@ -79,6 +79,13 @@ def _result_bytes(result: str) -> int:
 
 def _group_size(line: str, everyone: int) -> int:
     """The devices in each of the instruction's replica groups."""
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if named:  # newer XLA: replica_groups=mesh['data'=4,'model'=2] {'data'}
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", named.group(1)))
+        size = 1
+        for axis in re.findall(r"'([^']+)'", named.group(2)):
+            size *= int(sizes[axis])
+        return size
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
     if iota:
         return int(iota.group(2))
