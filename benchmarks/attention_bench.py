@@ -150,7 +150,9 @@ def rows(setup: Setup) -> list[list[str]]:
             results = common.compare(
                 calls, baseline="flax", repeats=setup.repeats, inner=1, warmup=setup.warmup
             )
-            cpu = cpu_ratios(calls, "flax", setup.repeats)
+            # Process CPU time counts the work only where the work runs on the CPU.
+            on_cpu = jax.default_backend() == "cpu"
+            cpu = cpu_ratios(calls, "flax", setup.repeats) if on_cpu else {}
             temp = {name: common.compiled_temp_bytes(fn, *args) for name, fn in fns.items()}
             for r in results:
                 if r.name == "flax":
@@ -161,7 +163,7 @@ def rows(setup: Setup) -> list[list[str]]:
                         mode,
                         r.name,
                         common.ratio_cell(r),
-                        f"{cpu[r.name]:.2f}x",
+                        f"{cpu[r.name]:.2f}x" if r.name in cpu else "- (accelerator)",
                         f"{mib(temp[r.name])} vs {mib(temp['flax'])}",
                         f"{r.median_s * 1e3:.1f} vs "
                         f"{next(x for x in results if x.name == 'flax').median_s * 1e3:.1f} ms",

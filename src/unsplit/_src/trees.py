@@ -28,13 +28,30 @@ def rel_l2(a: Any, b: Any) -> float:
 
 
 def bits_equal(a: Any, b: Any) -> bool:
-    """True when two pytrees have the same structure, dtypes and bit-identical leaves."""
+    """True when two pytrees have the same structure, dtypes and bit-identical leaves.
+
+    Leaves may be any array layout: an accelerator's ``jax.device_get`` can return a
+    non-contiguous NumPy view, compared here by value, not by memory.
+
+    >>> import numpy as np
+    >>> x = np.arange(6.0).reshape(2, 3)
+    >>> bits_equal({"w": x.T}, {"w": np.ascontiguousarray(x.T)})
+    True
+    >>> bits_equal(np.float32(0.0), np.float32(-0.0))  # equal as numbers, not as bits
+    False
+    """
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
     if ta != tb:
         return False
-    return all(
-        np.asarray(x).dtype == np.asarray(y).dtype
-        and np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
-        for x, y in zip(la, lb, strict=True)
-    )
+    return all(_same_bits(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb, strict=True))
+
+
+def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    return np.array_equal(_bytes(x), _bytes(y))
+
+
+def _bytes(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.atleast_1d(x)).view(np.uint8)
