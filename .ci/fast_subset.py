@@ -13,11 +13,12 @@ Usage: pytest --co -q -m "not slow and not multiprocess" | python .ci/fast_subse
 import sys
 
 # Drop-ins of another library: every case runs on the newest versions too.
+# Matched against the end of each test file's path (src/unsplit/_src/dropout/...).
 WHOLE = (
-    "attention_test.py",
-    "linen_dropout_test.py",
-    "nnx_dropout_test.py",
-    "equinox_dropout_test.py",
+    "dropout/attention_test.py",
+    "dropout/linen_test.py",
+    "dropout/nnx_test.py",
+    "dropout/equinox_test.py",
 )
 
 
@@ -27,8 +28,8 @@ def fast_subset(ids: list[str]) -> list[str]:
     Example:
         >>> fast_subset(["a_test.py::t[1]", "a_test.py::t[2]", "a_test.py::u", "m.py::m.f"])
         ['a_test.py::t[1]', 'a_test.py::u', 'm.py::m.f']
-        >>> fast_subset(["x/attention_test.py::t[1]", "x/attention_test.py::t[2]"])
-        ['x/attention_test.py::t[1]', 'x/attention_test.py::t[2]']
+        >>> fast_subset(["x/dropout/linen_test.py::t[1]", "x/dropout/linen_test.py::t[2]"])
+        ['x/dropout/linen_test.py::t[1]', 'x/dropout/linen_test.py::t[2]']
     """
     seen, keep = set(), []
     for node in ids:

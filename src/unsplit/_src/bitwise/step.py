@@ -124,8 +124,15 @@ class BitwiseStep:
     def _state(self, params, batch, key, size, chunk) -> _Compiled:
         structure, arrays = sums.Params.split(params)
         specs = tuple(getattr(getattr(a, "sharding", None), "spec", None) for a in arrays)
-        shapes = tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(batch))
-        signature = (structure, specs, shapes, jax.tree.structure(batch), size, chunk)
+        # Everything the compiled programs were built for: a call that differs in any of
+        # these (params of other dtypes or shapes, a raw key after a typed one) compiles anew.
+        params_types = tuple((np.shape(a), _dtype(a)) for a in arrays)
+        shapes = tuple((np.shape(x), _dtype(x)) for x in jax.tree.leaves(batch))
+        key_type = (np.shape(key), _dtype(key))
+        signature = (
+            structure, specs, params_types, shapes, jax.tree.structure(batch), key_type, size,
+            chunk,
+        )  # fmt: skip
         try:
             state = self._plans.get(signature)
         except TypeError:
@@ -196,6 +203,12 @@ class BitwiseStep:
         )
 
 
+def _dtype(x: Any) -> Any:
+    """``x``'s dtype, key dtypes included (``np.dtype`` refuses those)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype if dtype is not None else np.asarray(x).dtype
+
+
 # Bitwise mode warns once when params gathered over the batch axes exceed this, per device.
 GATHERED_WARN_BYTES = 2**30
 
@@ -236,16 +249,19 @@ class _Compiled:
         self.total_sharding = NamedSharding(mesh, P(gentry))
         self.same_mesh = plan.compute.devices.size == mesh.devices.size
 
-    def combine_compiled(self) -> Any:
-        """The combine program for this plan, compiled (its HLO, bytes sent and memory)."""
+    def combine_slots(self) -> list[jax.ShapeDtypeStruct]:
+        """The combine program's inputs: every group's blocks of packed sums, stacked."""
         plan = self.plan
-        slots = [
+        return [
             jax.ShapeDtypeStruct(
                 (plan.groups, plan.slots, n * plan.group_size), dtype, sharding=self.slots_sharding
             )
             for n, dtype in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
         ]
-        return self.combine.lower(*slots).compile()
+
+    def combine_compiled(self) -> Any:
+        """The combine program for this plan, compiled (its HLO, bytes sent and memory)."""
+        return self.combine.lower(*self.combine_slots()).compile()
 
     def _program(self, key, build):
         """A jitted data-movement program, shared like the chunk programs."""
@@ -257,16 +273,20 @@ class _Compiled:
         inputs = self._inputs(params, batch, ids, key)
         if not self.executables:
             self._compile(inputs)
-        outs, auxes = {}, {}
-        for g in self.local_groups:  # every call is asynchronous: the groups run at once
+        aux_parts: dict[int, list] = {g: [] for g in self.local_groups}
+
+        def chunk_sums(g):  # every call is asynchronous: the groups run at once
             group_vectors, chunks, group_key = inputs[g]
-            run_chunk = self.executables[g]
-            done = [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks]
-            outs[g] = [chunk_sums for chunk_sums, _ in done]
-            if self.owner.spec.has_aux:
-                auxes[g] = self._concat([aux for _, aux in done], g)
-        loss, grads, weight = self.unpack(self._total(outs))
-        aux = self._aux(auxes) if self.owner.spec.has_aux else None
+            for chunk in chunks:
+                sums, aux = self.executables[g](group_vectors, *chunk, group_key)
+                aux_parts[g].append(aux)
+                yield sums
+
+        totals = self._total({g: chunk_sums(g) for g in self.local_groups})
+        loss, grads, weight = self.unpack(totals)
+        aux = None
+        if self.owner.spec.has_aux:
+            aux = self._aux({g: self._concat(aux_parts[g], g) for g in self.local_groups})
         return loss, grads, aux, weight
 
     def _concat(self, parts, g: int):
@@ -298,13 +318,18 @@ class _Compiled:
         return inputs
 
     def _total(self, outs: dict) -> Any:
-        """The groups' per-chunk packed sums added in the canonical tree, on the user's mesh."""
+        """The groups' per-chunk packed sums added in the canonical tree, on the user's mesh.
+
+        ``outs[g]`` yields group ``g``'s chunk sums in order; each is added as soon as its
+        sibling in the tree is there, so a group holds O(log chunks) of them, not all.
+        """
         plan = self.plan
         blocks = {}
         for g in self.local_groups:
             acc = reduce.Accumulator(add=programs.add_blocks)
             for i, chunk_sums in enumerate(outs[g]):
                 acc.push(g * plan.per_group + i, chunk_sums)
+                del chunk_sums  # the accumulator holds it (or its sum) from here
             blocks[g] = list(acc.blocks.values())  # left to right
         stacked = {g: programs.stack_blocks(blocks[g], plan.slots) for g in self.local_groups}
         slots = [
@@ -465,15 +490,14 @@ class _CoupledCompiled(_Compiled):
         if "pullback" not in self.stages:
             pargs = {g: (*args[g], cotangent(g, 0)) for g in self.local_groups}
             self.stages["pullback"] = self._compiled(self.pullback_fns, pargs, "pullback")
-        outs = {}
-        for g in self.local_groups:
+
+        def chunk_sums(g):
             group_vectors, chunks, group_key = inputs[g]
             run_chunk = self.stages["pullback"][g]
-            outs[g] = [
-                run_chunk(group_vectors, *chunk, group_key, cotangent(g, i))
-                for i, chunk in enumerate(chunks)
-            ]
-        totals = self._total(outs)
+            for i, chunk in enumerate(chunks):
+                yield run_chunk(group_vectors, *chunk, group_key, cotangent(g, i))
+
+        totals = self._total({g: chunk_sums(g) for g in self.local_groups})
         direct = [self._spread(d, t.sharding) for d, t in zip(direct, totals, strict=True)]
         grads = self.finish(totals, direct)
 
