@@ -17,7 +17,7 @@ chunk size), side by side in alternating rounds. Reported per layout:
   bytes over a ring all-reduce's ``2 (G - 1) / G`` of the same sums (goal <= 1.1x);
 * per-device memory, bitwise / default (goal <= 1.25x). Default mode: XLA's memory
   analysis of its one program (arguments + outputs + temp). Bitwise mode: the peak a
-  step holds, each buffer once (see ``bitwise_memory``);
+  step holds, each buffer once (``unsplit.testing.bitwise_cost``);
 * whether the bitwise result was bit-identical to the one-device bitwise result
   (replicated and FSDP layouts) or to the tensor-parallel result at data=1.
 
@@ -29,7 +29,6 @@ untouched).
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import common
 import jax
@@ -81,72 +80,6 @@ def specs_for(layout: Layout, params):
     return jax.tree.map(lambda _: jax.P(), params)
 
 
-def memory(compiled) -> int:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-
-
-def per_device_bytes(tree) -> int:
-    leaves = jax.tree.leaves(tree)
-    return sum(x.addressable_shards[0].data.nbytes for x in leaves)
-
-
-def bitwise_memory(step, params, rows, key) -> int:
-    """The peak bytes a bitwise step holds per device, each buffer counted once.
-
-    Held through the step: the params the caller holds, the flat params the pack
-    program makes (one copy per device: it is an argument of every chunk program)
-    and the partial sums of every chunk of a group (all dispatched at once). On top
-    of that, the largest of: a chunk program's other arguments (one chunk of rows,
-    the key, the ids) and its temp; the combine program (the stacked blocks, the
-    total, temp); the unpack program (the total, the grads, temp).
-    """
-    (state,) = step._impl._plans.values()
-    plan = state.plan
-    flat = sum(v.addressable_shards[0].data.nbytes for v in state.pack(params))
-    chunk = max(state.executables.values(), key=memory).memory_analysis()
-    sums = chunk.output_size_in_bytes
-    chunk_rest = chunk.argument_size_in_bytes - flat + chunk.temp_size_in_bytes
-    combine = state.combine_compiled()
-    totals = [
-        jax.ShapeDtypeStruct((n * plan.group_size,), dt, sharding=state.total_sharding)
-        for n, dt in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
-    ]
-    unpack = state.unpack.lower(totals).compile()
-    peak = max(chunk_rest, memory(combine), memory(unpack))
-    return per_device_bytes(params) + flat + plan.per_group * sums + peak
-
-
-def bytes_sent(step, params, default_compiled) -> tuple[float, float, float]:
-    """Bytes sent per device per step, from the compiled HLO (ring accounting).
-
-    Returns (bitwise: pack + a group's chunk programs + combine, default mode's
-    program, the combine / a ring all-reduce of the same sums: ``2 (G - 1) / G`` of
-    them).
-    """
-    (state,) = step.engine._plans.values()
-    plan = state.plan
-    combine = unsplit.testing.bytes_sent(state.combine_compiled())
-    pack = unsplit.testing.bytes_sent(state.pack.lower(params).compile())
-    chunk = max(unsplit.testing.bytes_sent(c.as_text()) for c in state.executables.values())
-    pack += plan.per_group * chunk
-    sums = sum(
-        n * np.dtype(d).itemsize
-        for n, d in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
-    )
-    ring = 2 * (plan.groups - 1) / plan.groups * sums
-    return pack + combine, unsplit.testing.bytes_sent(default_compiled), combine / ring
-
-
-def collectives(step) -> int:
-    """Collective ops (all-reduce, all-gather, ...) in the largest chunk program."""
-    (state,) = step._impl._plans.values()
-    kinds = "all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all"
-    return max(
-        len(re.findall(rf"= \S+ ({kinds})\(", c.as_text())) for c in state.executables.values()
-    )
-
-
 def measure(layout: Layout, config, batch, quick):
     model = Transformer(config)
     loss = token_loss(model)
@@ -177,6 +110,7 @@ def measure(layout: Layout, config, batch, quick):
         inner=1,
     )
     out = bitwise(params, rows, key)
+    cost = unsplit.testing.bitwise_cost(bitwise, params, rows, key)
     one = None
     if layout.specs in ("tp", "megatron"):
         one = jax.make_mesh((1, 2), ("data", "model"), axis_types=AUTO)
@@ -187,17 +121,21 @@ def measure(layout: Layout, config, batch, quick):
         ref_params, batch, key
     )
     default_compiled = default.lower(params, rows, key).compile()
-    mem_default = memory(default_compiled)
+    mem_default = common.compiled_bytes(default_compiled)
     timing = {r.name: r for r in timing}
     return {
         "layout": layout.name,
         "time": timing["bitwise"],
         "first": first["bitwise"] / first["default"],
         "chunked": (per_group, timing.get("chunked")),
-        "memory": (bitwise_memory(bitwise, params, rows, key), mem_default),
+        "memory": (cost.memory_per_device, mem_default),
         "identical": unsplit.testing.bits_equal(out, ref),
-        "collectives": collectives(bitwise),
-        "bytes": bytes_sent(bitwise, params, default_compiled),
+        "collectives": cost.chunk_collectives,
+        "bytes": (
+            cost.bytes_sent_per_device,
+            unsplit.testing.bytes_sent(default_compiled),
+            cost.combine_vs_ring,
+        ),
     }
 
 

@@ -22,6 +22,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -92,6 +93,12 @@ def compiled_temp_bytes(fn: Callable, *args) -> int:
     compiled = jax.jit(fn).lower(*args).compile()
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes)
+
+
+def compiled_bytes(compiled: Any) -> int:
+    """A compiled program's memory per device: arguments + outputs + temp (XLA's analysis)."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
 
 
 def ratio_cell(r: Result) -> str:

@@ -9,9 +9,9 @@ each chunk together, params kept sharded) and in bitwise mode without it
 
 * per-device memory from XLA's compiled memory analysis: default mode's one
   program (arguments + outputs + temp); bitwise mode's peak as
-  ``benchmarks/bitwise_bench.py`` counts it (the params held, the flat params,
-  every chunk's partial sums of a group, plus the largest of a chunk program's
-  other arguments and temp, the combine and the unpack);
+  ``unsplit.testing.bitwise_cost`` counts it (the params held, the flat params,
+  the partial sums the canonical tree holds, plus the largest of a chunk
+  program's other arguments and temp, the combine and the unpack);
 * the process's peak resident memory during the first step (8 simulated devices
   in one process, so all 8 devices' buffers and the compiler's), each mode in a
   process of its own, above the same baseline (params and batch placed);
@@ -93,39 +93,6 @@ def step_for(mode: str, mesh: Mesh):
     return unsplit.value_and_grad(loss_fn, bitwise=True, chunk_size=4, **common_kw)
 
 
-def memory(compiled) -> int:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-
-
-def per_device_bytes(tree) -> int:
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
-
-
-def bitwise_memory(step, params) -> int:
-    """The peak bytes a bitwise step holds per device (as ``bitwise_bench.bitwise_memory``)."""
-    (state,) = step.engine._plans.values()
-    plan = state.plan
-    flat = sum(v.addressable_shards[0].data.nbytes for v in state.pack(params))
-    chunk = max(state.executables.values(), key=memory).memory_analysis()
-    sums = chunk.output_size_in_bytes
-    chunk_rest = chunk.argument_size_in_bytes - flat + chunk.temp_size_in_bytes
-    slots = [
-        jax.ShapeDtypeStruct(
-            (plan.groups, plan.slots, n * plan.group_size), dt, sharding=state.slots_sharding
-        )
-        for n, dt in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
-    ]
-    combine = state.combine.lower(*slots).compile()
-    totals = [
-        jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=state.total_sharding)
-        for t in jax.eval_shape(state.combine, *slots)
-    ]
-    unpack = state.unpack.lower(totals).compile()
-    peak = max(chunk_rest, memory(combine), memory(unpack))
-    return per_device_bytes(params) + flat + plan.per_group * sums + peak
-
-
 def rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
@@ -156,9 +123,9 @@ def child(mode: str, quick: bool) -> dict:
     out = jax.block_until_ready(step(params, x, key))
     peak = rss() - base
     if mode == "default":
-        compiled = memory(step.lower(params, x, key).compile())
+        compiled = common.compiled_bytes(step.lower(params, x, key).compile())
     else:
-        compiled = bitwise_memory(step, params)
+        compiled = unsplit.testing.bitwise_cost(step, params, x, key).memory_per_device
     identical = None
     if "chunk_axes=" in mode:
         one = mesh_of(1)

@@ -60,11 +60,6 @@ def plain_step():
     return jax.jit(jax.value_and_grad(batched))
 
 
-def memory(compiled) -> float:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-
-
 def flops(compiled) -> float:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -105,7 +100,7 @@ def measure(name, shape, specs, host, xs, quick) -> dict:
     _, grads = run_ours()
     return {
         "layout": name,
-        "memory": (memory(compiled_ours), memory(compiled_plain)),
+        "memory": (common.compiled_bytes(compiled_ours), common.compiled_bytes(compiled_plain)),
         "flops": (flops(compiled_ours), flops(compiled_plain)),
         "time": {r.name: r for r in timing}["unsplit"],
         "async": (async_fraction(run_ours), async_fraction(run_plain)),

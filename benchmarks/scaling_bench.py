@@ -10,8 +10,8 @@ of each program (per device for a mesh). Rows vary one thing at a time:
 * devices 1, 2, 4, 8: a ``jax.make_mesh`` over that many of the 8 simulated
   CPU devices (``--xla_force_host_platform_device_count=8``) at the reference
   batch. On CPU the simulated devices share the same cores, so this group is no
-  accelerator speed-up: it checks that splitting the batch (``shard_map``,
-  per-device programs, the ``psum``) adds no overhead. Ratios below 1 there only
+  accelerator speed-up: it checks that splitting the batch (one SPMD program,
+  XLA's collectives) adds no overhead. Ratios below 1 there only
   mean that several simulated devices, run concurrently, keep the cores busier
   than one device's program does.
 
@@ -169,7 +169,8 @@ def run(setup: Setup) -> tuple[list[list[str]], str]:
         f"the mean of {setup.inner} steps. *Devices* are the 8 simulated CPU devices "
         f"(`--xla_force_host_platform_device_count=8`) sharing the same "
         f"{os.cpu_count()} cores, so that group is not an accelerator speed-up: it shows that "
-        f"splitting the batch over a mesh (`shard_map` + `psum`) adds no overhead, and a ratio "
+        f"splitting the batch over a mesh (one SPMD program, XLA's collectives) adds no "
+        f"overhead, and a ratio "
         f"below 1 only means several simulated devices running concurrently keep the cores "
         f"busier than one device's program does. On real accelerators each device brings its "
         f"own compute. Memory is per device for a mesh; microbatches cut it by about 1/k."

@@ -21,7 +21,7 @@ FLOORS = (
     ("audit", {"audit"}),
     ("step", {"step"}),
     ("bitwise", {"bitwise"}),
-    ("front", {"value_and_grad", "canonical_update", "train_step"}),
+    ("front", {"value_and_grad", "canonical_update", "array_jit", "train_step"}),
     ("integrations", {"dropout", "elastic", "models"}),
 )
 APPLICATIONS = ("src/unsplit/demo", "benchmarks", "examples", "tests")
@@ -86,6 +86,23 @@ def test_library_modules_import_only_their_floor_and_below(path):
 def test_applications_use_only_the_public_api(path):
     private = sorted(t for t in imports(path) if t.startswith("unsplit._src"))
     assert not private, f"{path.relative_to(ROOT)} imports private code: {private}"
+
+
+@pytest.mark.parametrize(
+    "path", python_files(*APPLICATIONS), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_applications_read_no_private_attributes(path):
+    # ``step._impl._plans`` reaches into private code as surely as an import does. Private
+    # state is ``_lowercase`` (``os._exit`` aside); ``_CONSTANT`` and ``_Type`` names are the
+    # tested module's own constants or the standard library's types.
+    private = sorted(
+        f"{ast.unparse(node)} (line {node.lineno})"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and re.match(r"_[a-z]", node.attr)
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "os"))
+    )
+    assert not private, f"{path.relative_to(ROOT)} reads private attributes: {private}"
 
 
 def test_only_the_cli_imports_the_demo():

@@ -35,6 +35,7 @@ from unsplit._src.processes.global_batch import global_batch as global_batch
 from unsplit._src.step.state_guard import DroppedStateError as DroppedStateError
 from unsplit._src.train_step import bitwise_train_step as bitwise_train_step
 from unsplit._src.train_step import train_step as train_step
+from unsplit._src.train_step import trainable as trainable
 from unsplit._src.value_and_grad import Step as Step
 from unsplit._src.value_and_grad import value_and_grad as value_and_grad
 
@@ -72,5 +73,6 @@ __all__ = [
     "ids64",
     "testing",
     "train_step",
+    "trainable",
     "value_and_grad",
 ]

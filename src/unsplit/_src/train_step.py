@@ -1,10 +1,10 @@
-"""``bitwise_train_step``: one call per training step, optimizer included, buffers donated.
+"""``train_step`` (also ``bitwise_train_step``): one call per training step, optimizer included.
 
 A bitwise step cannot run inside ``jax.jit`` (its chunk programs are compiled
 on their own; see ``docs/bitwise.md``), so the usual "jit the whole train
 step" does not apply to it. ``bitwise_train_step`` gives the same thing: the
 step's ``(loss, grads)``, then the optimizer update as one compiled program
-with the params and optimizer state donated. The host work per call does not
+(on copies of the params and optimizer state: not donated). The host work per call does not
 grow with the number of parameters: when it gets back the params it returned,
 it skips looking at their shardings again.
 
@@ -24,8 +24,10 @@ import jax
 import numpy as np
 import optax
 
+from unsplit._src.array_jit import ArrayJit, with_static, without_static
 from unsplit._src.canonical_update import CanonicalUpdate, GroupedUpdate
 from unsplit._src.step import validate
+from unsplit._src.step.sums import is_inexact_array
 from unsplit._src.value_and_grad import Step, memory_hint
 
 
@@ -42,17 +44,21 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
             ``bitwise=True``).
         optimizer: an ``optax.GradientTransformation``; omit it when you pass a
             ``TrainState`` (its ``tx`` is the optimizer). Params leaves without a
-            gradient (integer leaves, PRNG state: ``None`` in the grads) are
-            left as they are; init the optimizer on the float leaves, e.g.
-            ``optimizer.init(eqx.filter(model, eqx.is_inexact_array))``, or on
-            the params themselves when they are all float (Flax variables).
+            gradient (integer leaves, PRNG state, non-array leaves: ``None``
+            in the grads) are left as they are; init the optimizer on the float
+            leaves, ``optimizer.init(unsplit.trainable(params))`` (for Equinox
+            the same as ``eqx.filter(model, eqx.is_inexact_array)``), or on the
+            params themselves when they are all float (Flax linen variables).
 
     Returns:
         ``train(params, opt_state, batch, key, ids=None) -> (loss, params,
         opt_state)`` (``((loss, aux), params, opt_state)`` with
         ``has_aux=True``), or ``train(state, batch, key, ids=None) -> (loss,
-        state)``. ``params`` and ``opt_state`` (or the state) are donated: do
-        not use the arrays you passed in after the call.
+        state)``. In default mode ``params`` and ``opt_state`` (or the state) are
+        donated: do not use the arrays you passed in after the call. In bitwise
+        mode they are not: the update runs on copies gathered onto one device per
+        process (with ``chunk_axes``, on each group's shards), and the arrays you
+        passed in stay valid until you drop them.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, unsplit
@@ -89,11 +95,19 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         )
 
     def update(params, opt_state, grads, tx=optimizer):
-        trainable = jax.tree.map(
+        with_grads = jax.tree.map(
             lambda g, p: None if g is None else p, grads, params, is_leaf=lambda x: x is None
         )
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        return optax.apply_updates(params, updates), opt_state
+        updates, opt_state = tx.update(grads, opt_state, with_grads)
+        # A leaf without a gradient has no update: it stays as it is (optax.apply_updates
+        # would add None to it).
+        params = jax.tree.map(
+            lambda u, p: p if u is None else optax.apply_updates(p, u),
+            updates,
+            params,
+            is_leaf=lambda x: x is None,
+        )
+        return params, opt_state
 
     def update_state(state, grads):
         params, opt_state = update(state.params, state.opt_state, grads, tx=state.tx)
@@ -113,8 +127,8 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         return _Train(
             step,
             optimizer,
-            jax.jit(fused, donate_argnums=(0, 1)),
-            jax.jit(fused_state, donate_argnums=0),
+            ArrayJit(fused, donate_argnums=(0, 1)),
+            ArrayJit(fused_state, donate_argnums=(0,)),
         )
 
     # Bitwise: the update too is one program whatever the schedule: on whole arrays, or, with
@@ -138,6 +152,26 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
             canonical(lambda state, grads: (update_state(state, grads),), 1),
         ),
     )
+
+
+def trainable(params: Any) -> Any:
+    """``params`` with ``None`` at every leaf that gets no gradient: init the optimizer on it.
+
+    A step's grads are ``None`` at integer leaves (counters, NNX ``Rngs`` counts), PRNG
+    keys, Python numbers and non-array leaves (an Equinox activation function); an optax
+    state made from ``trainable(params)`` has the same structure, so
+    :func:`train_step` updates the float leaves and leaves the rest as they are. For
+    Equinox it is ``eqx.filter(params, eqx.is_inexact_array)``; it works on any pytree
+    (Flax NNX modules included).
+
+    Example:
+        >>> import jax.numpy as jnp, optax, unsplit
+        >>> params = {"w": jnp.ones(2), "count": jnp.int32(0), "act": jnp.tanh}
+        >>> unsplit.trainable(params)
+        {'act': None, 'count': None, 'w': Array([1., 1.], dtype=float32)}
+        >>> state = optax.adam(1e-3).init(unsplit.trainable(params))
+    """
+    return jax.tree.map(lambda x: x if is_inexact_array(x) else None, params)
 
 
 def is_train_state(x: Any) -> bool:
@@ -184,7 +218,7 @@ class _Train:
 
 
 class _BitwiseTrain:
-    """The bitwise step (outside jit), then the compiled, donated update."""
+    """The bitwise step (outside jit), then the compiled update."""
 
     def __init__(self, step: Step):
         self.step = step
@@ -196,7 +230,12 @@ class _BitwiseTrain:
         step = self.step
         batch, ids = step.group(batch, ids)
         ids = step.check_inputs(params, batch, key, ids)
-        signature = (jax.tree.structure(batch), tuple(x.shape for x in jax.tree.leaves(batch)))
+        leaves = jax.tree.leaves(batch)
+        signature = (
+            jax.tree.structure(batch),
+            tuple((np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype) for x in leaves),
+            (np.shape(key), key.dtype),
+        )
         if params is not self._returned or self._state is None or self._state[0] != signature:
             state, params = step.engine.prepare(params, batch, key)
             self._state = (signature, state)
@@ -234,7 +273,9 @@ class _BitwiseTrain:
         if params is not self._returned:
             params, opt_state = self.on_step_mesh((params, opt_state))
         out, grads, params = self.grads(params, batch, key, ids)
-        params, opt_state = update(params, opt_state, grads)
+        # The update needs no non-array leaf (an Equinox module's activation): it gets None.
+        new, opt_state = update(without_static(params), opt_state, grads)
+        params = with_static(new, params)
         self._returned = params
         return out, params, opt_state
 

@@ -300,3 +300,102 @@ def test_fsdp_group_runs_end_in_the_same_bits_for_every_data_parallel_degree():
         results.append(jax.device_get((params, opt_state)))
     assert unsplit.testing.bits_equal(results[0], results[1])
     assert unsplit.testing.rel_l2(results[0][0], mlp_init()) > 1e-4  # it trained
+
+
+def _equinox():
+    eqx = pytest.importorskip("equinox")
+
+    class Model(eqx.Module):
+        w: jax.Array
+        count: jax.Array
+        act: object
+
+        def __call__(self, x, key):
+            keep = jax.random.bernoulli(key, 0.7, x.shape)
+            return jnp.sum(self.act(jnp.where(keep, x, 0.0) @ self.w))
+
+    return eqx, Model
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_leaves_without_gradients_stay_as_they_are(bitwise):
+    # An integer leaf (a counter, NNX's Rngs counts) and a non-array leaf (an activation
+    # function): the update leaves both alone, as eqx.apply_updates does.
+    eqx, Model = _equinox()
+    model = Model(jax.random.normal(jax.random.key(0), (4, 2)), jnp.int32(7), jnp.tanh)
+    optimizer = optax.adam(1e-2)
+    loss = lambda m, x, key: m(x, key) ** 2  # noqa: E731
+    step = unsplit.value_and_grad(loss, bitwise=bitwise)
+    train = unsplit.train_step(step, optimizer)
+    state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    _, grads = step(model, X, KEY)
+    updates, _ = optimizer.update(eqx.filter(grads, eqx.is_inexact_array), state)
+    expected = eqx.apply_updates(model, updates)
+    for i in range(2):
+        _, model, state = train(model, state, X, KEY)
+        if i == 0:
+            np.testing.assert_allclose(model.w, expected.w, rtol=1e-6)
+    assert int(model.count) == 7 and model.act is jnp.tanh
+
+
+def test_an_equinox_mlp_trains_in_both_modes_with_the_same_bits_across_devices():
+    eqx, _ = _equinox()
+    mlp = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))  # activation functions among its leaves
+    loss = lambda m, x, key: jnp.sum(jax.vmap(m)(x[None]) ** 2)  # noqa: E731
+    optimizer = optax.sgd(1e-2)
+    results = []
+    for mesh in (None, jax.make_mesh((8,), ("data",))):
+        for bitwise in (False, True):
+            step = unsplit.value_and_grad(
+                loss, bitwise=bitwise, mesh=mesh, chunk_size=2 if bitwise else None
+            )
+            train = unsplit.train_step(step, optimizer)
+            model = jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, mlp)
+            state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))  # (donated)
+            for _ in range(2):
+                _, model, state = train(model, state, X, KEY)
+            assert model.activation is mlp.activation
+            results.append(eqx.filter(model, eqx.is_array))
+    assert unsplit.testing.rel_l2(results[0], results[1]) < 1e-6
+    assert unsplit.testing.bits_equal(results[1], results[3])  # bitwise: 1 device == 8
+
+
+def test_a_bitwise_train_step_compiles_again_for_a_batch_of_another_dtype():
+    step = unsplit.value_and_grad(loss_fn, bitwise=True)
+    optimizer = optax.sgd(1e-3)
+    train = unsplit.train_step(step, optimizer)
+    params = init()
+    state = optimizer.init(params)
+    _, params, state = train(params, state, X, KEY)
+    loss16, _, _ = train(params, state, X.astype(jnp.float16), KEY)
+    fresh = unsplit.value_and_grad(loss_fn, bitwise=True)(params, X.astype(jnp.float16), KEY)[0]
+    assert unsplit.testing.bits_equal(loss16, fresh)
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_an_nnx_module_trains_with_its_optimizer_state_on_trainable(bitwise):
+    # NNX modules hold integer Rngs counts: unsplit.trainable gives the optax state the
+    # grads' structure, and the counts stay as they are.
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 2, rngs=rngs)
+            self.dropout = nnx.Dropout(0.3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear(self.dropout(x))
+
+    def loss(model, x, key):
+        nnx.reseed(model, dropout=key)
+        return jnp.sum(model(x) ** 2)
+
+    optimizer = optax.adam(1e-2)
+    model = Model(nnx.Rngs(0, dropout=1))
+    kernel = np.asarray(model.linear.kernel[...])
+    state = optimizer.init(unsplit.trainable(model))
+    train = unsplit.train_step(unsplit.value_and_grad(loss, bitwise=bitwise), optimizer)
+    _, model, state = train(model, state, X, KEY)
+    assert not np.array_equal(np.asarray(model.linear.kernel[...]), kernel)
+    counts = [x for x in jax.tree.leaves(model) if jnp.issubdtype(x.dtype, jnp.integer)]
+    assert counts  # the Rngs counts came back, untouched by the update

@@ -99,6 +99,13 @@ def value_and_grad(
             the padded length changes (``padding_unstable``) gives a
             :class:`unsplit.PaddingWarning` instead. Without it, the first call still refuses a loss that draws
             from a key it did not get as its third argument (``foreign_key``).
+        checked: after each call, read the loss and the total weight back (one
+            host read-back per step) and raise ``FloatingPointError``, naming the
+            cause and the fix, when the loss is not finite (a total weight that
+            is not a positive finite number, or ``loss_fn`` returning inf or
+            nan) instead of returning nan. Inside the caller's ``jit`` the check
+            runs on device and the error surfaces when the results are read.
+            Default ``False``: the nan is returned, with no read-back.
         batch_loss: for a loss that couples the examples (contrastive with
             in-batch negatives, a global-batch MoE balancing term):
             ``loss_fn`` is then ``features_fn(params, example, key)``, returning
@@ -338,7 +345,9 @@ class Step:
             raise NotImplementedError(
                 "bitwise mode runs several programs per step (one per device group and the "
                 "fixed-order reduction); lower() describes default mode's single program. "
-                "Fix: call lower() on a bitwise=False step to inspect its program."
+                "Fix: unsplit.testing.bitwise_cost(step, params, batch, key) reads a bitwise "
+                "step's per-device memory and bytes sent from all its programs; or call "
+                "lower() on a bitwise=False step to inspect its program."
             )
         batch, ids = self.group(batch, ids)
         return self._impl.lower(params, batch, key, self._checked(params, batch, key, ids))

@@ -4,7 +4,9 @@
 promises across schedules); ``rel_l2(a, b)`` is their relative distance (what
 default mode keeps at float-rounding size). ``bytes_sent(compiled)`` is what a
 compiled program's collectives send per device, counted from its HLO as ring
-algorithms send them.
+algorithms send them; ``bitwise_cost(step, params, batch, key)`` is what a bitwise
+step holds and sends per device, read from all of its compiled programs (default mode's
+one program answers ``step.lower(...).compile().memory_analysis()``).
 
 ``run_local_processes`` starts ``num_processes`` Python processes on this
 machine, each with ``devices_per_process`` simulated CPU devices, joined by
@@ -29,6 +31,8 @@ Example:
     [0, 1]
 """
 
+from unsplit._src.bitwise.cost import BitwiseCost as BitwiseCost
+from unsplit._src.bitwise.cost import bitwise_cost as bitwise_cost
 from unsplit._src.bitwise.traffic import bytes_sent as bytes_sent
 from unsplit._src.processes.launch import LaunchError as LaunchError
 from unsplit._src.processes.launch import free_port as free_port
@@ -36,4 +40,13 @@ from unsplit._src.processes.launch import run_local_processes as run_local_proce
 from unsplit._src.trees import bits_equal as bits_equal
 from unsplit._src.trees import rel_l2 as rel_l2
 
-__all__ = ["LaunchError", "bits_equal", "bytes_sent", "free_port", "rel_l2", "run_local_processes"]
+__all__ = [
+    "BitwiseCost",
+    "LaunchError",
+    "bits_equal",
+    "bitwise_cost",
+    "bytes_sent",
+    "free_port",
+    "rel_l2",
+    "run_local_processes",
+]

@@ -66,7 +66,9 @@ def check_chunk_size(chunk_size: Any) -> int | None:
     return int(chunk_size)
 
 
-def check_chunk_axes(chunk_axes: Any, batch_axes: tuple[str, ...]) -> tuple[str, ...]:
+def check_chunk_axes(
+    chunk_axes: Any, batch_axes: tuple[str, ...], mesh_axes: tuple[str, ...] | None = None
+) -> tuple[str, ...]:
     """``chunk_axes`` as a tuple of batch axes, in ``batch_axes``' order (``()``: none).
 
     They must be the last of the batch axes, so each group's rows are one
@@ -81,6 +83,13 @@ def check_chunk_axes(chunk_axes: Any, batch_axes: tuple[str, ...]) -> tuple[str,
             "Fix: e.g. chunk_axes='fsdp' (one of batch_axes)."
         )
     names = tuple(names)
+    absent = [n for n in names if mesh_axes is not None and n not in mesh_axes]
+    if absent:
+        raise ValueError(
+            f"chunk_axes names axes the step's mesh does not have: {absent} (its axes: "
+            f"{tuple(mesh_axes)}). Fix: name the mesh axis whose devices compute each chunk "
+            "together (one of batch_axes), e.g. chunk_axes='fsdp' on a ('data', 'fsdp') mesh."
+        )
     unknown = [n for n in names if n not in batch_axes]
     if unknown or not names or len(set(names)) != len(names):
         raise ValueError(

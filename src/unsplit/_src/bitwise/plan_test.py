@@ -261,7 +261,11 @@ def test_a_chunk_size_that_is_not_a_multiple_of_the_group_is_refused():
         WEIGHTED, weighted=True, mesh=mesh, batch_axes=("data", "fsdp"), bitwise=True,
         chunk_axes="fsdp", chunk_size=6,
     )  # fmt: skip
-    with pytest.raises(ValueError, match=r"multiple of 4, got chunk_size=6.*chunk_size=12"):
+    # The fix names chunk sizes that work here (12 is a multiple of 4 but does not divide a
+    # group's 32 examples).
+    with pytest.raises(
+        ValueError, match=r"multiple of 4, got chunk_size=6.*chunk_size=4, 8, 16 or 32 here"
+    ):
         step(group_placed(mesh), BATCH, GROUP_KEY)
 
 
@@ -282,6 +286,11 @@ def test_the_default_chunk_is_a_multiple_of_the_group():
         (("data",), "fsdp", r"subset of batch_axes=\('data',\).*not in batch_axes"),
         (("fsdp", "data"), "fsdp", r"last of the batch axes.*batch_axes=\('data', 'fsdp'\)"),
         (("data", "fsdp"), 3, r"mesh axis name or a tuple"),
+        (
+            ("data", "fsdp"),
+            "fsdq",
+            r"mesh does not have: \['fsdq'\] \(its axes: \('data', 'fsdp'\)\)",
+        ),
     ],
 )
 def test_chunk_axes_must_be_the_last_batch_axes(batch_axes, chunk_axes, match):

@@ -27,6 +27,8 @@ program for every schedule.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -61,13 +63,29 @@ def pack_program(plan: Plan):
     run = jax.shard_map(
         local, mesh=mesh, in_specs=plan.specs, out_specs=(every,) * count, check_vma=False
     )
-    mask = plan.structure.array_mask
+    return OnArrayLeaves(run, plan.structure.array_mask)
 
-    def pack(params):  # the whole pytree: jit flattens it (no Python work per leaf)
-        leaves = jax.tree.leaves(params)
-        return run(*(x for x, is_array in zip(leaves, mask, strict=True) if is_array))
 
-    return jax.jit(pack)
+class OnArrayLeaves:
+    """A jitted function of a pytree's array leaves, called with the whole pytree.
+
+    The other leaves (an Equinox module's activation function, a string field) are
+    no jit arguments: the plan holds them as static.
+    """
+
+    def __init__(self, fn: Callable, mask: tuple[bool, ...]):
+        self.jitted = jax.jit(fn)
+        self.mask = mask
+
+    def arrays(self, tree: Any) -> list[Any]:
+        leaves = jax.tree.leaves(tree)
+        return [x for x, is_array in zip(leaves, self.mask, strict=True) if is_array]
+
+    def __call__(self, tree: Any) -> Any:
+        return self.jitted(*self.arrays(tree))
+
+    def lower(self, tree: Any) -> Any:
+        return self.jitted.lower(*self.arrays(tree))
 
 
 class GroupIO:

@@ -70,7 +70,8 @@ class BitwiseStep:
     ):
         self.spec = spec
         self.chunk_size = bitwise_plan.check_chunk_size(chunk_size)
-        self.chunk_axes = bitwise_plan.check_chunk_axes(chunk_axes, layout.batch_axes)
+        mesh_axes = tuple(layout.mesh.axis_names) if layout.mesh is not None else ()
+        self.chunk_axes = bitwise_plan.check_chunk_axes(chunk_axes, layout.batch_axes, mesh_axes)
         if layout.mesh is None:  # one device: a one-device mesh, the same programs
             device = jax.local_devices()[0]
             layout = Layout(Mesh(np.array([device]), ("batch",)), ("batch",))
@@ -152,30 +153,36 @@ class BitwiseStep:
 
     def _check_schedule(self, size: int, chunk: int) -> None:
         split = self.chunk_split
+        groups = self.layout.shards // split
+        share = size // groups  # the step has checked that the batch axes divide the batch
+        # The chunk sizes that would work here: multiples of the group's devices that divide
+        # a group's share.
+        fits = [c for c in range(split, share + 1, split) if share % c == 0]
+        choices = _choices(fits)
         if chunk % split:
             raise ValueError(
                 f"bitwise mode with chunk_axes={self.chunk_axes} splits each chunk's rows over "
                 f"the {split} devices of those axes: expected chunk_size a multiple of {split}, "
-                f"got chunk_size={chunk}. Fix: pass chunk_size={math.lcm(chunk, split)} (or "
-                f"another multiple of {split}; the same one for every schedule you compare)."
+                f"got chunk_size={chunk}. Fix: pass chunk_size={choices} here (a multiple of "
+                f"{split} that divides each group's {share} examples; the same one for every "
+                "schedule you compare)."
             )
-        groups = self.layout.shards // split
-        share = size // groups  # the step has checked that the batch axes divide the batch
         if share % chunk and split > 1:
             raise ValueError(
                 f"bitwise mode needs each device group's share of the batch to be a whole "
                 f"number of chunks: batch {size} over {groups} group(s) of {split} device(s) "
                 f"(chunk_axes={self.chunk_axes}) is {share} examples each, not a multiple of "
-                f"chunk_size={chunk}. Fix: pass a chunk_size that divides {share} and is a "
-                f"multiple of {split}, or use a bigger batch."
+                f"chunk_size={chunk}. Fix: pass chunk_size={choices} (a multiple of {split} "
+                f"that divides {share}), or use a bigger batch."
             )
         if share % chunk:
+            fewer = " or use fewer devices for the batch" if groups > 1 else ""
             raise ValueError(
                 f"bitwise mode needs each device's share of the batch to be a whole number of "
                 f"chunks: batch {size} over {groups} batch device(s) is {share} examples each, "
-                f"not a multiple of chunk_size={chunk}. Fix: pass a chunk_size that divides "
-                f"{share} (the same one for every schedule you compare: it fixes the bits), or "
-                "use fewer devices for the batch."
+                f"not a multiple of chunk_size={chunk}. Fix: pass chunk_size={choices} (it "
+                f"must divide {share}; the same one for every schedule you compare: it fixes "
+                f"the bits){fewer}."
             )
 
     def _warn_gathered(self, plan: bitwise_plan.Plan) -> None:
@@ -201,6 +208,12 @@ class BitwiseStep:
             "chunk_axes='fsdp'); see docs/bitwise.md.",
             stacklevel=4,
         )
+
+
+def _choices(sizes: list[int]) -> str:
+    """``[4, 8, 16]`` as ``"4, 8 or 16"`` (the largest few: larger chunks run faster)."""
+    shown = [str(c) for c in sizes[-4:]]
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
 
 
 def _dtype(x: Any) -> Any:

@@ -166,7 +166,7 @@ def test_microbatches_never_refuse_but_a_share_of_partial_chunks_does():
     with pytest.raises(
         ValueError,
         match=r"whole number of chunks: batch 64 over 8 batch device\(s\) is 8 examples each, "
-        r"not a multiple of chunk_size=16",
+        r"not a multiple of chunk_size=16. Fix: pass chunk_size=1, 2, 4 or 8 .*fewer devices",
     ):
         run(8, 1, chunk_size=16)
 
@@ -259,3 +259,60 @@ def test_a_groups_share_never_changes_the_bits_of_a_two_layer_model():
     ref = on(1)  # 8 chunks on one device
     for devices in (8, 4, 2):  # 1, 2 and 4 chunks per group
         assert testing.bits_equal(on(devices), ref), devices
+
+
+def test_chunk_sums_are_added_as_soon_as_their_sibling_is_there(monkeypatch):
+    # Memory: a group holds floor(log2 chunks) + 1 partial sums, not one per chunk -- each
+    # add is dispatched right after the chunk that completes its block, with the same bits.
+    from unsplit._src.bitwise import programs
+
+    step = unsplit.value_and_grad(WEIGHTED, weighted=True, bitwise=True)  # 8 chunks of 8 rows
+    expected = step(PARAMS, BATCH, KEY)
+    (state,) = step.engine._plans.values()
+    events = []
+    run_chunk = state.executables[0]
+
+    def chunk(*args):
+        events.append("chunk")
+        return run_chunk(*args)
+
+    def add(a, b, _add=programs.add_blocks):
+        events.append("add")
+        return _add(a, b)
+
+    monkeypatch.setitem(state.executables, 0, chunk)
+    monkeypatch.setattr(programs, "add_blocks", add)
+    assert testing.bits_equal(step(PARAMS, BATCH, KEY), expected)
+    c, a = "chunk", "add"
+    assert events == [c, c, a, c, c, a, a, c, c, a, c, c, a, a, a]
+
+
+def test_params_of_other_dtypes_or_shapes_and_another_key_type_compile_anew():
+    # A step reused with params of other dtypes (or shapes) once ran the first call's
+    # programs: bf16 grads for f32 params, silently.
+    def loss(p, x, key):
+        keep = jax.random.bernoulli(key, 0.9, x.shape)
+        h = jnp.tanh(jnp.where(keep, x, 0.0).astype(p["w1"].dtype) @ p["w1"])
+        return jnp.sum(h.astype(p["w2"].dtype) @ p["w2"]).astype(jnp.float32)
+
+    x = np.asarray(jax.random.normal(jax.random.key(1), (16, 8)), np.float32)
+    f32 = {"w1": jnp.ones((8, 32)) / 8, "w2": jnp.ones((32, 4)) / 32}
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), f32)
+    wider = {"w1": jnp.ones((8, 64)) / 8, "w2": jnp.ones((64, 4)) / 64}
+    reused = unsplit.value_and_grad(loss, bitwise=True, chunk_size=4)
+
+    def fresh(params, key=KEY):
+        return unsplit.value_and_grad(loss, bitwise=True, chunk_size=4)(params, x, key)
+
+    for params in (bf16, f32, {"w1": bf16["w1"], "w2": f32["w2"]}, wider):
+        out = reused(params, x, KEY)
+        assert testing.bits_equal(out, fresh(params))
+        assert jax.tree.map(lambda g: g.dtype, out[1]) == jax.tree.map(lambda p: p.dtype, params)
+    raw = jax.random.PRNGKey(3)
+    assert testing.bits_equal(reused(f32, x, raw), fresh(f32, raw))
+
+
+def test_one_device_with_a_chunk_bigger_than_the_batch_names_chunk_sizes_that_fit():
+    with pytest.raises(ValueError, match=r"chunk_size=2, 4, 8 or 16 \(it must divide 16;") as error:
+        run(1, 1, chunk_size=32, batch=jax.tree.map(lambda x: x[:16], BATCH))
+    assert "fewer devices" not in str(error.value)  # there is one

@@ -123,6 +123,21 @@ def test_params_from_another_mesh_are_moved_with_a_warning():
     assert grads["w1"].sharding.mesh == two
 
 
+def test_a_key_or_ids_committed_outside_the_mesh_are_moved_with_a_warning():
+    # They gave JAX's "incompatible devices" error; params and batch were already moved.
+    mesh = jax.make_mesh((4,), ("data",))
+    step = unsplit.value_and_grad(LOSSES[True], weighted=True, mesh=mesh)
+    params, batch = init_params(), make_batch()
+    expected = step(params, batch, KEY)
+    outside = jax.devices()[6]
+    with pytest.warns(UserWarning, match=r"key is not placed on the step's mesh"):
+        moved_key = step(params, batch, jax.device_put(KEY, outside))
+    ids = jax.device_put(jnp.arange(B), outside)
+    with pytest.warns(UserWarning, match=r"ids is not placed on the step's mesh"):
+        moved_ids = step(params, batch, KEY, ids=ids)
+    assert testing.bits_equal(moved_key, expected) and testing.bits_equal(moved_ids, expected)
+
+
 def test_params_on_one_device_inside_or_outside_the_mesh_work():
     mesh = jax.make_mesh((4,), ("data",))
     step = unsplit.value_and_grad(LOSSES[True], weighted=True, mesh=mesh)

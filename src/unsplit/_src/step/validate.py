@@ -86,6 +86,11 @@ def check_mesh(mesh: Any) -> None:
         )
 
 
+def _jax_dtype(dtype: Any) -> bool:
+    """Whether JAX arrays can hold ``dtype``: not strings, bytes, objects or datetimes."""
+    return getattr(dtype, "kind", None) not in ("U", "S", "O", "M", "m")
+
+
 def batch_size(batch: Any) -> int:
     """The global batch size: the common leading size of every leaf."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(batch)
@@ -112,6 +117,13 @@ def batch_size(batch: Any) -> int:
             raise TypeError(
                 f"batch leaf {name} is a {type(leaf).__name__}, not an array. Fix: pass "
                 "arrays (np.asarray / jnp.asarray) whose leading axis is the global batch."
+            )
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and not _jax_dtype(dtype):
+            raise TypeError(
+                f"batch leaf {name} has dtype {dtype}, which JAX arrays cannot hold (strings, "
+                "Python objects). Fix: turn it into numbers before the step (e.g. token ids, "
+                "or a np.int32 label index), or keep it out of the batch."
             )
         shape = np.shape(leaf)
         if len(shape) == 0:

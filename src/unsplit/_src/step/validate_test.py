@@ -46,6 +46,14 @@ def test_leaves_with_different_leading_sizes():
         step(W, {"a": X, "b": jnp.ones((4, 3))}, KEY)
 
 
+@pytest.mark.parametrize("bitwise", [False, True])
+@pytest.mark.parametrize("leaf", [np.array(["a"] * 8), np.array([object()] * 8, dtype=object)])
+def test_a_batch_leaf_of_strings_or_objects_is_refused_with_the_fix(bitwise, leaf):
+    step = unsplit.value_and_grad(lambda w, ex, k: loss(w, ex["x"], k), bitwise=bitwise)
+    with pytest.raises(TypeError, match=r"batch leaf \['name'\] has dtype .*Fix: turn it into"):
+        step(W, {"x": X, "name": leaf}, KEY)
+
+
 def test_scalar_leaf_and_empty_batch():
     step = unsplit.value_and_grad(loss)
     with pytest.raises(ValueError, match=r"is a scalar; every leaf needs the global batch"):

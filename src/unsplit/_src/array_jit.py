@@ -1,0 +1,121 @@
+"""``jax.jit`` for pytrees that hold more than arrays, as ``eqx.filter_jit`` does.
+
+An Equinox model keeps its activation function (or a string, an int
+setting) among its leaves; ``jax.jit`` refuses such a leaf as an argument.
+:class:`ArrayJit` traces only the array leaves (and Python numbers, as
+``jax.jit`` does) and holds the other leaves static: one compiled program per
+distinct set of them, and outputs may hold them too. Arguments of plain
+arrays take ``jax.jit`` itself, unchanged.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from unsplit._src.array_jit import ArrayJit
+    >>> model = {"w": jnp.ones(3), "act": jnp.tanh}
+    >>> step = ArrayJit(lambda m, x: ({**m, "w": m["act"](m["w"] * x)}, m["w"].sum()))
+    >>> new, total = step(model, 2.0)
+    >>> new["act"] is jnp.tanh, float(total)
+    (True, 3.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def is_static(x: Any) -> bool:
+    """A leaf ``jax.jit`` cannot trace: not an array, a NumPy scalar or a Python number."""
+    return not isinstance(x, jax.Array | np.ndarray | np.generic | int | float | complex)
+
+
+class ArrayJit:
+    """``jax.jit(fn, donate_argnums=...)``, with non-array leaves static."""
+
+    def __init__(self, fn: Callable, donate_argnums: Sequence[int] = ()):
+        self.fn = fn
+        self.donate_argnums = tuple(donate_argnums)
+        self.plain = jax.jit(fn, donate_argnums=self.donate_argnums)
+        self._filtered: dict[Any, tuple[Callable, dict]] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        static = tuple((i, x) for i, x in enumerate(leaves) if is_static(x))
+        if not static:
+            return self.plain(*args, **kwargs)
+        donated = self._donated(args, kwargs, len(leaves))
+        try:
+            entry = self._filtered.get((treedef, static, donated))
+        except TypeError:
+            kinds = sorted({type(x).__name__ for _, x in static})
+            raise TypeError(
+                f"a leaf that is not an array must be hashable to be compiled in; got leaves of "
+                f"type {kinds}. Fix: make it an array, or mark it static in your module "
+                "(eqx.field(static=True))."
+            ) from None
+        if entry is None:
+            entry = self._compile(treedef, static, donated, len(leaves))
+            self._filtered[(treedef, static, donated)] = entry
+        jitted, out = entry
+        arrays = [x for i, x in enumerate(leaves) if not is_static(x)]
+        gift = [x for x, d in zip(arrays, self._mask(leaves, donated), strict=True) if d]
+        kept = [x for x, d in zip(arrays, self._mask(leaves, donated), strict=True) if not d]
+        out_arrays = iter(jitted(gift, kept))
+        out_def, out_static = out["def"], dict(out["static"])
+        return jax.tree.unflatten(
+            out_def,
+            [
+                out_static[j] if j in out_static else next(out_arrays)
+                for j in range(out_def.num_leaves)
+            ],
+        )
+
+    def _donated(self, args: tuple, kwargs: dict, count: int) -> tuple[int, ...]:
+        """The leaf indices that come from the donated positional arguments."""
+        donated, start = [], 0
+        for position, arg in enumerate(args):
+            n = len(jax.tree.leaves(arg))
+            if position in self.donate_argnums:
+                donated.extend(range(start, start + n))
+            start += n
+        return tuple(donated)
+
+    @staticmethod
+    def _mask(leaves: list, donated: tuple[int, ...]) -> list[bool]:
+        chosen = set(donated)
+        return [i in chosen for i, x in enumerate(leaves) if not is_static(x)]
+
+    def _compile(self, treedef, static, donated, count) -> tuple[Callable, dict]:
+        fixed = dict(static)
+        chosen = set(donated)
+        out: dict[str, Any] = {}
+
+        def inner(gift, kept):
+            gift, kept = iter(gift), iter(kept)
+            leaves = [
+                fixed[i] if i in fixed else next(gift) if i in chosen else next(kept)
+                for i in range(count)
+            ]
+            args, kwargs = jax.tree.unflatten(treedef, leaves)
+            result, out_def = jax.tree.flatten(self.fn(*args, **kwargs))
+            out["def"] = out_def
+            out["static"] = tuple((j, x) for j, x in enumerate(result) if is_static(x))
+            return [x for x in result if not is_static(x)]
+
+        return jax.jit(inner, donate_argnums=0), out
+
+
+def without_static(tree: Any) -> Any:
+    """``tree`` with its non-array leaves as ``None`` (for a function that needs none)."""
+    return jax.tree.map(lambda x: None if is_static(x) else x, tree)
+
+
+def with_static(stripped: Any, like: Any) -> Any:
+    """``stripped`` (from :func:`without_static`) with ``like``'s non-array leaves back."""
+    leaves, treedef = jax.tree.flatten(like)
+    new = jax.tree.leaves(stripped, is_leaf=lambda x: x is None)
+    return jax.tree.unflatten(
+        treedef, [old if is_static(old) else x for x, old in zip(new, leaves, strict=True)]
+    )

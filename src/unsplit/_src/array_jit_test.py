@@ -1,0 +1,59 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from unsplit._src.array_jit import ArrayJit, with_static, without_static
+
+
+def test_plain_arrays_take_jax_jit_itself():
+    traces = []
+
+    def double(x, y):
+        traces.append(1)
+        return x * 2, y
+
+    f = ArrayJit(double, donate_argnums=(0,))
+    x = jnp.ones(3)
+    out, y = f(x, jnp.zeros(2))
+    assert x.is_deleted() and out.tolist() == [2.0] * 3
+    f(jnp.ones(3), y)
+    assert len(traces) == 1  # the second call does not retrace
+
+
+def test_non_array_leaves_are_static_and_come_back():
+    traces = []
+
+    def apply(model, x):
+        traces.append(1)
+        return {**model, "w": model["act"](model["w"] * x)}, model["n"] * x
+
+    f = ArrayJit(apply, donate_argnums=(0,))
+    model = {"w": jnp.ones(3), "act": jnp.tanh, "name": "mlp", "n": 2}
+    new, scaled = f(model, jnp.float32(0.5))
+    assert new["act"] is jnp.tanh and new["name"] == "mlp"
+    np.testing.assert_allclose(new["w"], np.tanh(0.5), rtol=1e-6)
+    assert float(scaled) == 1.0
+    assert model["w"].is_deleted()  # the donated argument's arrays are donated
+    new, _ = f(new, jnp.float32(0.5))
+    assert len(traces) == 1  # the same static leaves: the same program
+    f({**new, "act": jnp.sin}, jnp.float32(0.5))
+    assert len(traces) == 2  # other static leaves: another program
+
+
+def test_an_unhashable_static_leaf_is_refused_with_the_fix():
+    f = ArrayJit(lambda m: m["w"])
+    with pytest.raises(TypeError, match=r"must be hashable.*eqx.field\(static=True\)"):
+        f({"w": jnp.ones(2), "table": _Unhashable()})
+
+
+class _Unhashable:
+    __hash__ = None
+
+
+def test_without_and_with_static_round_trip():
+    tree = {"w": jnp.ones(2), "act": jnp.tanh, "k": 3}
+    stripped = without_static(tree)
+    assert stripped["act"] is None and stripped["k"] == 3
+    back = with_static(jax.tree.map(lambda x: x + 1, stripped), tree)
+    assert back["act"] is jnp.tanh and back["k"] == 4 and back["w"].tolist() == [2.0, 2.0]
