@@ -60,6 +60,12 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         process (with ``chunk_axes``, on each group's shards), and the arrays you
         passed in stay valid until you drop them.
 
+        Default mode is one ``jax.jit``: params and optimizer state that are not on
+        the step's mesh yet (fresh ``jnp`` arrays) come back placed on it, so the
+        second call compiles once more, as any jitted train step would; place them
+        on the mesh before the loop (``jax.device_put(params, NamedSharding(mesh,
+        P()))``, or your FSDP specs) to compile once.
+
     Example:
         >>> import jax, jax.numpy as jnp, optax, unsplit
         >>> def loss_fn(w, x, key):
