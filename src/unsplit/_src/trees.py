@@ -55,3 +55,9 @@ def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
 
 def _bytes(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.atleast_1d(x)).view(np.uint8)
+
+
+def canonical_dtype(dtype: Any) -> Any:
+    """The dtype JAX gives an array of ``dtype`` (int64 -> int32 without x64; keys as they
+    are). Newer JAX warns at an abstract value of a dtype it would truncate."""
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)

@@ -22,6 +22,7 @@ from unsplit._src.processes import agreement
 from unsplit._src.step import groups, sums, validate
 from unsplit._src.step.default import DefaultStep
 from unsplit._src.step.layout import Layout
+from unsplit._src.trees import canonical_dtype
 
 LossFn = sums.LossFn
 BatchLossFn = Any  # batch_loss(params, features) -> scalar loss (or (loss, aux))
@@ -326,7 +327,9 @@ class Step:
         """First call: trace the loss on one example and refuse schedule-dependent noise."""
         if self._audited:
             return
-        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+        example = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], canonical_dtype(x.dtype)), batch
+        )
         kinds = None if self.audit else ("foreign_key",)
         findings = audit_loss.audit_loss(
             self.loss_fn, params, example, key, weighted=self.weighted, kinds=kinds

@@ -22,6 +22,7 @@ from unsplit._src.audit.finding import UNKNOWN, Finding, dedupe, finding
 from unsplit._src.audit.keys import THREEFRY_DTYPE
 from unsplit._src.audit.loss import LossTraceError, check_loss
 from unsplit._src.audit.state import captured_module_finding
+from unsplit._src.trees import canonical_dtype
 
 
 def audit(
@@ -94,7 +95,11 @@ def audit(
         raise
     _check_output(traced.out_shape, size, weighted=weighted, has_aux=has_aux)
     example = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype) if audit_trace.is_array(x) else x,
+        lambda x: (
+            jax.ShapeDtypeStruct(np.shape(x)[1:], canonical_dtype(x.dtype))
+            if audit_trace.is_array(x)
+            else x
+        ),
         batch,
     )
     try:

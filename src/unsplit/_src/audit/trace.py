@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from unsplit._src.trees import canonical_dtype
+
 _UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
 _MAX_AXIS_NAMES = 8
 
@@ -54,7 +56,7 @@ def is_key(x: Any) -> bool:
 def abstract(x: Any) -> jax.ShapeDtypeStruct:
     """A ``ShapeDtypeStruct`` of an array leaf (sharding dropped: the audit traces one program)."""
     weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=weak)
+    return jax.ShapeDtypeStruct(np.shape(x), canonical_dtype(x.dtype), weak_type=weak)
 
 
 def trace(
@@ -156,7 +158,7 @@ def resize_batch(args: Sequence[Any], argnums: Sequence[int], factor: int) -> li
         if isinstance(x, np.ndarray):
             return np.concatenate([x] * factor, axis=0)
         shape = np.shape(x)
-        return jax.ShapeDtypeStruct((shape[0] * factor, *shape[1:]), x.dtype)
+        return jax.ShapeDtypeStruct((shape[0] * factor, *shape[1:]), canonical_dtype(x.dtype))
 
     out = []
     for i, arg in enumerate(args):
@@ -179,7 +181,7 @@ def shrink_example(example: Any) -> Any | None:
             return x
         changed = True
         shape = np.shape(x)
-        return jax.ShapeDtypeStruct((shape[0] // 2, *shape[1:]), x.dtype)
+        return jax.ShapeDtypeStruct((shape[0] // 2, *shape[1:]), canonical_dtype(x.dtype))
 
     out = jax.tree.map(shrink, example)
     return out if changed else None

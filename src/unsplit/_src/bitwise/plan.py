@@ -34,6 +34,7 @@ from unsplit._src.bitwise import reduce
 from unsplit._src.bitwise.flat import FlatPlan
 from unsplit._src.step import sums
 from unsplit._src.step.layout import Layout
+from unsplit._src.trees import canonical_dtype
 
 DEFAULT_CHUNK = 8
 
@@ -300,7 +301,9 @@ _LOSS_DTYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _loss_dtype(spec, structure, arrays, batch, key) -> Any:
     """The dtype of the loss sums (float32 unless the loss is wider), from one example's trace
     (traced once per signature: the batch size is not part of it)."""
-    example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), batch)
+    example = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], canonical_dtype(x.dtype)), batch
+    )
     signature = (
         spec.weighted,
         spec.has_aux,
@@ -325,7 +328,7 @@ def _traced_loss_dtype(spec, structure, arrays, example, key) -> Any:
         loss_sum, weight, _ = sums.call_loss(spec, structure.merge(arrays), example, key)
         return loss_sum, weight
 
-    shapes = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in arrays]
+    shapes = [jax.ShapeDtypeStruct(np.shape(a), canonical_dtype(a.dtype)) for a in arrays]
     loss, _ = jax.eval_shape(one, shapes, example, example_key(key))
     return jax.numpy.dtype(loss.dtype)
 

@@ -316,3 +316,17 @@ def test_one_device_with_a_chunk_bigger_than_the_batch_names_chunk_sizes_that_fi
     with pytest.raises(ValueError, match=r"chunk_size=2, 4, 8 or 16 \(it must divide 16;") as error:
         run(1, 1, chunk_size=32, batch=jax.tree.map(lambda x: x[:16], BATCH))
     assert "fewer devices" not in str(error.value)  # there is one
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_numpy_int64_labels_are_taken_as_jax_takes_them(bitwise):
+    # NumPy's default int64 becomes int32 without x64; newer JAX warns at an abstract value
+    # of int64 (the loss's one-example trace), which the suite turns into an error.
+    def loss(w, example, key):
+        keep = jax.random.bernoulli(key, 0.9, example["x"].shape)
+        return jnp.sum(jnp.where(keep, example["x"], 0.0) @ w) * example["y"].astype(jnp.float32)
+
+    batch = {"x": np.ones((16, 3), np.float32), "y": np.arange(16)}  # int64 labels
+    assert batch["y"].dtype == np.int64
+    step = unsplit.value_and_grad(loss, bitwise=bitwise, audit=True)
+    step(jnp.ones(3), batch, KEY)
