@@ -21,7 +21,7 @@ FLOORS = (
     ("audit", {"audit"}),
     ("step", {"step"}),
     ("bitwise", {"bitwise"}),
-    ("front", {"value_and_grad", "canonical_update", "array_jit", "train_step"}),
+    ("front", {"front"}),
     ("integrations", {"dropout", "elastic", "models"}),
 )
 APPLICATIONS = ("src/unsplit/demo", "benchmarks", "examples", "tests")

@@ -63,7 +63,7 @@ def _shared(spec: sums.LossSpec) -> dict:
 
 
 class BitwiseStep:
-    """Runs a :class:`~unsplit._src.value_and_grad.Step` in bitwise mode."""
+    """Runs a :class:`~unsplit._src.front.value_and_grad.Step` in bitwise mode."""
 
     def __init__(
         self, spec: sums.LossSpec, layout: Layout, chunk_size: Any, chunk_axes: Any = None

@@ -24,11 +24,11 @@ import jax
 import numpy as np
 import optax
 
-from unsplit._src.array_jit import ArrayJit, with_static, without_static
-from unsplit._src.canonical_update import CanonicalUpdate, GroupedUpdate
+from unsplit._src.front.array_jit import ArrayJit, with_static, without_static
+from unsplit._src.bitwise.update import CanonicalUpdate, GroupedUpdate
 from unsplit._src.step import validate
 from unsplit._src.step.sums import is_inexact_array
-from unsplit._src.value_and_grad import Step, memory_hint
+from unsplit._src.front.value_and_grad import Step, memory_hint
 
 
 def train_step(step: Step, optimizer: optax.GradientTransformation | None = None) -> Callable:

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from unsplit._src.array_jit import ArrayJit, with_static, without_static
+from unsplit._src.front.array_jit import ArrayJit, with_static, without_static
 
 
 def test_plain_arrays_take_jax_jit_itself():

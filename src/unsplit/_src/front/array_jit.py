@@ -9,7 +9,7 @@ arrays take ``jax.jit`` itself, unchanged.
 
 Example:
     >>> import jax.numpy as jnp
-    >>> from unsplit._src.array_jit import ArrayJit
+    >>> from unsplit._src.front.array_jit import ArrayJit
     >>> model = {"w": jnp.ones(3), "act": jnp.tanh}
     >>> step = ArrayJit(lambda m, x: ({**m, "w": m["act"](m["w"] * x)}, m["w"].sum()))
     >>> new, total = step(model, 2.0)

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import unsplit
 from unsplit._src import test_util as testing
-from unsplit._src import value_and_grad as step_lib
+from unsplit._src.front import value_and_grad as step_lib
 from unsplit._src.models import transformer as tf
 
 TOL = 1e-5  # relative L2, float32

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src.canonical_update import CanonicalUpdate, GroupedUpdate
+from unsplit._src.bitwise.update import CanonicalUpdate, GroupedUpdate
 
 VALUES = jax.random.normal(jax.random.key(0), (4096, 3))
 

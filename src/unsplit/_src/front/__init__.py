@@ -1,0 +1,1 @@
+"""The public step and train step: options, the ``Step`` object, the optimizer update's driver."""
