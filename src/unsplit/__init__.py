@@ -27,17 +27,18 @@ from unsplit._src.audit.finding import Finding as Finding
 from unsplit._src.audit.finding import PaddingWarning as PaddingWarning
 from unsplit._src.bitwise.update import canonical_sum as canonical_sum
 from unsplit._src.dropout.functional import dropout as dropout
+from unsplit._src.front.options import Bitwise as Bitwise
+from unsplit._src.front.train_step import bitwise_train_step as bitwise_train_step
+from unsplit._src.front.train_step import train_step as train_step
+from unsplit._src.front.train_step import trainable as trainable
+from unsplit._src.front.value_and_grad import Step as Step
+from unsplit._src.front.value_and_grad import value_and_grad as value_and_grad
 from unsplit._src.keys import Ids64 as Ids64
 from unsplit._src.keys import example_keys as example_keys
 from unsplit._src.keys import ids64 as ids64
 from unsplit._src.processes.agreement import AgreementError as AgreementError
 from unsplit._src.processes.global_batch import global_batch as global_batch
 from unsplit._src.step.state_guard import DroppedStateError as DroppedStateError
-from unsplit._src.front.train_step import bitwise_train_step as bitwise_train_step
-from unsplit._src.front.train_step import train_step as train_step
-from unsplit._src.front.train_step import trainable as trainable
-from unsplit._src.front.value_and_grad import Step as Step
-from unsplit._src.front.value_and_grad import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AgreementError",
     "AuditError",
+    "Bitwise",
     "DroppedStateError",
     "Finding",
     "Ids64",

@@ -94,9 +94,9 @@ def train(
     """
     import optax
 
-    from unsplit._src.processes.global_batch import global_batch
     from unsplit._src.front.train_step import bitwise_train_step
     from unsplit._src.front.value_and_grad import value_and_grad
+    from unsplit._src.processes.global_batch import global_batch
 
     _, params, pool = problem(batch=256)
     batch_size = 64

@@ -94,7 +94,7 @@ def bitwise_cost(
             "programs (features, batch loss, pullback), which it does not account for yet. "
             "Fix: measure the process's peak memory instead (see benchmarks/coupled_bench.py)."
         )
-    grouped, _ = step.group(batch, ids)
+    grouped, _ = step._group(batch, ids)
     state, placed = engine.prepare(params, grouped, key)
     if not state.executables:
         step(params, batch, key, ids)

@@ -70,7 +70,7 @@ def test_the_first_call_compiles_and_later_calls_reuse_it():
     params = {"layers": [jnp.eye(WIDTH)]}
     x, key = np.ones((16, WIDTH), np.float32), jax.random.key(0)
     first = unsplit.testing.bitwise_cost(step, params, x, key)  # runs the step once
-    engine_state, _ = step.engine.prepare(params, x, key)
+    engine_state, _ = step._engine.prepare(params, x, key)
     compiled = dict(engine_state.executables)
     assert compiled
     assert unsplit.testing.bitwise_cost(step, params, x, key) == first

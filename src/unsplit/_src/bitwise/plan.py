@@ -32,7 +32,7 @@ from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import reduce
 from unsplit._src.bitwise.flat import FlatPlan
-from unsplit._src.step import sums
+from unsplit._src.step import sums, validate
 from unsplit._src.step.layout import Layout
 from unsplit._src.trees import canonical_dtype
 
@@ -49,22 +49,10 @@ def default_chunk_size(batch: int) -> int:
 
 
 def check_chunk_size(chunk_size: Any) -> int | None:
-    import numbers
-
-    if chunk_size is None:
-        return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
-        raise ValueError(
-            f"chunk_size must be a positive int (examples per chunk); got {chunk_size!r} of "
-            f"type {type(chunk_size).__name__}. Fix: omit it for the default, or pass e.g. "
-            f"chunk_size={DEFAULT_CHUNK}."
-        )
-    if chunk_size < 1:
-        raise ValueError(
-            f"chunk_size must be a positive int (examples per chunk); got {chunk_size!r}. "
-            f"Fix: omit it for the default, or pass e.g. chunk_size={DEFAULT_CHUNK}."
-        )
-    return int(chunk_size)
+    """``chunk_size`` as an int >= 1, or None (the default)."""
+    return validate.check_positive_int(
+        "chunk_size", chunk_size, meaning="examples per chunk", allow_none=True
+    )
 
 
 def check_chunk_axes(

@@ -275,9 +275,9 @@ def test_the_default_chunk_is_a_multiple_of_the_group():
         WEIGHTED, weighted=True, mesh=mesh, batch_axes=("data", "fsdp"), bitwise=True,
         chunk_axes="fsdp",
     )  # fmt: skip
-    assert step.engine.chunk(4 * 8) == 8
-    assert step.engine.chunk(2 * 16) == 8
-    assert step.engine.chunk(8 * 3) == 8  # the batch's default 8 already is
+    assert step._engine.chunk(4 * 8) == 8
+    assert step._engine.chunk(2 * 16) == 8
+    assert step._engine.chunk(8 * 3) == 8  # the batch's default 8 already is
 
 
 @pytest.mark.parametrize(

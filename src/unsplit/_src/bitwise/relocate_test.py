@@ -46,7 +46,7 @@ def test_a_bitwise_step_compiles_its_chunk_program_once_for_every_one_device_gro
     w = jax.random.normal(jax.random.key(0), (32, 16))
     x = jax.random.normal(jax.random.key(1), (16, 32))
     out = step(w, x, jax.random.key(3))
-    (state,) = step.engine._plans.values()
+    (state,) = step._engine._plans.values()
     first, *others = (state.executables[g] for g in range(8))
     assert isinstance(first, jax.stages.Compiled)
     assert all(isinstance(e, relocate.Relocated) and e.compiled is first for e in others)
@@ -74,7 +74,7 @@ def test_tensor_parallel_groups_share_one_compile_and_keep_the_bits():
         step = unsplit.value_and_grad(fresh_loss, weighted=True, mesh=mesh, bitwise=True)
         outs.append(jax.device_get(step(params, test_util.mlp_batch(), jax.random.key(5))))
         if data == 4:
-            (state,) = step.engine._plans.values()
+            (state,) = step._engine._plans.values()
             first, *others = (state.executables[g] for g in range(4))
             assert isinstance(first, jax.stages.Compiled)
             assert all(isinstance(e, relocate.Relocated) and e.compiled is first for e in others)

@@ -43,7 +43,7 @@ from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import accelerators, coupled, programs, reduce, relocate
 from unsplit._src.bitwise import plan as bitwise_plan
-from unsplit._src.step import sums, validate
+from unsplit._src.step import sums
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
 default_chunk_size = bitwise_plan.default_chunk_size
@@ -65,13 +65,13 @@ def _shared(spec: sums.LossSpec) -> dict:
 class BitwiseStep:
     """Runs a :class:`~unsplit._src.front.value_and_grad.Step` in bitwise mode."""
 
-    def __init__(
-        self, spec: sums.LossSpec, layout: Layout, chunk_size: Any, chunk_axes: Any = None
-    ):
+    def __init__(self, spec: sums.LossSpec, layout: Layout, options: Any):
         self.spec = spec
-        self.chunk_size = bitwise_plan.check_chunk_size(chunk_size)
+        self.chunk_size = options.chunk_size  # validated by unsplit.Bitwise
         mesh_axes = tuple(layout.mesh.axis_names) if layout.mesh is not None else ()
-        self.chunk_axes = bitwise_plan.check_chunk_axes(chunk_axes, layout.batch_axes, mesh_axes)
+        self.chunk_axes = bitwise_plan.check_chunk_axes(
+            options.chunk_axes, layout.batch_axes, mesh_axes
+        )
         if layout.mesh is None:  # one device: a one-device mesh, the same programs
             device = jax.local_devices()[0]
             layout = Layout(Mesh(np.array([device]), ("batch",)), ("batch",))
@@ -96,9 +96,23 @@ class BitwiseStep:
         chunk = default_chunk_size(batch)
         return math.lcm(chunk, self.chunk_split)
 
-    def __call__(self, params, batch, key, ids):
-        state, params = self.prepare(params, batch, key)
-        return state.run(params, self.place_batch(batch), key, ids)
+    def __call__(self, params, batch, key, ids, *, memo: dict | None = None) -> sums.Result:
+        """Runs the step.
+
+        ``memo``: a caller's own dict, kept while it passes the params this step
+        last returned to it (a train step's own): the programs found for them
+        are kept there, so their layout is not looked at again for a batch of the
+        same shapes. The caller empties it when its params are new.
+        """
+        signature = _batch_signature(batch, key)
+        if memo and memo["signature"] == signature:
+            state = memo["state"]
+        else:
+            state, params = self.prepare(params, batch, key)
+            if memo is not None:
+                memo.update(signature=signature, state=state)
+        loss, grads, aux, weight = state.run(params, self.place_batch(batch), key, ids)
+        return sums.Result(loss, grads, aux, weight, params)
 
     def place_batch(self, batch):
         """A batch committed outside the step's mesh, moved onto it (warned once), as default
@@ -113,12 +127,11 @@ class BitwiseStep:
         shardings and placement); :func:`unsplit.bitwise_train_step` skips it
         when it gets back the params it returned.
         """
-        validate.refuse_bitwise_in_jit(params, batch, key)
         layout = self.layout
         params = move_onto(
             params, layout, lambda x: named_spec(x, layout.mesh), "params", self._warned
         )
-        size = validate.batch_size(batch)
+        size = np.shape(jax.tree.leaves(batch)[0])[0]  # checked by the step
         chunk = self.chunk(size)
         return self._state(params, batch, key, size, chunk), params
 
@@ -214,6 +227,16 @@ def _choices(sizes: list[int]) -> str:
     """``[4, 8, 16]`` as ``"4, 8 or 16"`` (the largest few: larger chunks run faster)."""
     shown = [str(c) for c in sizes[-4:]]
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
+
+
+def _batch_signature(batch: Any, key: Any) -> tuple:
+    """What of the batch and key the compiled programs were built for (cheap: no params)."""
+    leaves = jax.tree.leaves(batch)
+    return (
+        jax.tree.structure(batch),
+        tuple((np.shape(x), _dtype(x)) for x in leaves),
+        (np.shape(key), _dtype(key)),
+    )
 
 
 def _dtype(x: Any) -> Any:

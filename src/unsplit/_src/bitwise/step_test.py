@@ -171,9 +171,12 @@ def test_microbatches_never_refuse_but_a_share_of_partial_chunks_does():
         run(8, 1, chunk_size=16)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
-def test_bad_chunk_size(bad):
-    with pytest.raises(ValueError, match=r"chunk_size must be a positive int"):
+@pytest.mark.parametrize(
+    ("bad", "error"), [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)]
+)
+def test_bad_chunk_size(bad, error):
+    # The same check and error types as microbatches and group_size (validate.check_positive_int).
+    with pytest.raises(error, match=r"chunk_size must be (an int )?>= 1"):
         unsplit.value_and_grad(WEIGHTED, weighted=True, bitwise=True, chunk_size=bad)
 
 
@@ -268,7 +271,7 @@ def test_chunk_sums_are_added_as_soon_as_their_sibling_is_there(monkeypatch):
 
     step = unsplit.value_and_grad(WEIGHTED, weighted=True, bitwise=True)  # 8 chunks of 8 rows
     expected = step(PARAMS, BATCH, KEY)
-    (state,) = step.engine._plans.values()
+    (state,) = step._engine._plans.values()
     events = []
     run_chunk = state.executables[0]
 

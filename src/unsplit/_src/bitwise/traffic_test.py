@@ -52,7 +52,7 @@ def test_the_combine_sends_at_most_a_ring_all_reduce_of_the_sums(devices):
     model, params, batch = testing.problem(batch=8 * devices)
     step = unsplit.value_and_grad(tf.token_loss(model), weighted=True, mesh=mesh, bitwise=True)
     step(params, batch, jax.random.key(0))
-    (state,) = step.engine._plans.values()
+    (state,) = step._engine._plans.values()
     sums = sum(
         n * np.dtype(d).itemsize
         for n, d in zip(state.plan.sums_flat.lengths, state.plan.sums_flat.vectors, strict=True)

@@ -24,11 +24,10 @@ import jax
 import numpy as np
 import optax
 
-from unsplit._src.front.array_jit import ArrayJit, with_static, without_static
 from unsplit._src.bitwise.update import CanonicalUpdate, GroupedUpdate
-from unsplit._src.step import validate
-from unsplit._src.step.sums import is_inexact_array
+from unsplit._src.front.array_jit import ArrayJit, with_static, without_static
 from unsplit._src.front.value_and_grad import Step, memory_hint
+from unsplit._src.step.sums import is_inexact_array
 
 
 def train_step(step: Step, optimizer: optax.GradientTransformation | None = None) -> Callable:
@@ -141,8 +140,8 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
     # FSDP groups (chunk_axes), on each group's shards (its bits fixed by the group, as the
     # step's are).
     bitwise = _BitwiseTrain(step)
-    mesh = step.engine.layout.mesh
-    groups = tuple(a for a in step.engine.chunk_axes if mesh.shape[a] > 1)
+    mesh = step._engine.layout.mesh
+    groups = tuple(a for a in step._engine.chunk_axes if mesh.shape[a] > 1)
 
     def canonical(fn, outputs):
         if groups:
@@ -229,28 +228,15 @@ class _BitwiseTrain:
     def __init__(self, step: Step):
         self.step = step
         self._returned: Any = None  # the params this function returned last
-        self._state: Any = None
+        self._memo: dict = {}  # the step's programs for them (see BitwiseStep.__call__)
 
     def grads(self, params, batch, key, ids):
         """The step's (out, grads, params); params re-placed only when they are new."""
-        step = self.step
-        batch, ids = step.group(batch, ids)
-        ids = step.check_inputs(params, batch, key, ids)
-        leaves = jax.tree.leaves(batch)
-        signature = (
-            jax.tree.structure(batch),
-            tuple((np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype) for x in leaves),
-            (np.shape(key), key.dtype),
-        )
-        if params is not self._returned or self._state is None or self._state[0] != signature:
-            state, params = step.engine.prepare(params, batch, key)
-            self._state = (signature, state)
-        batch = step.engine.place_batch(batch)
-        loss, grads, aux, weight = self._state[1].run(params, batch, key, ids)
-        if step.checked:
-            validate.check_result(loss, weight)
-        out = (loss, aux) if step.has_aux else loss
-        return out, grads, params
+        if params is not self._returned:
+            self._memo.clear()  # new params: the step looks at their layout again
+        result = self.step._run(params, batch, key, ids, memo=self._memo)
+        out = (result.loss, result.aux) if self.step.has_aux else result.loss
+        return out, result.grads, result.params
 
     def on_step_mesh(self, tree):
         """On a one-device step, single-device leaves as arrays of the step's mesh.
@@ -259,7 +245,7 @@ class _BitwiseTrain:
         the optimizer state there on the first call gives the update the same
         input types on every call, so nothing is traced twice.
         """
-        mesh = self.step.engine.layout.mesh
+        mesh = self.step._engine.layout.mesh
         if mesh.size != 1:
             return tree
         sharding = jax.sharding.NamedSharding(mesh, jax.P())

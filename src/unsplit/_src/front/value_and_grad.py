@@ -18,10 +18,12 @@ import jax
 from unsplit._src import keys as keys_lib
 from unsplit._src.audit import finding as audit_finding
 from unsplit._src.audit import loss as audit_loss
+from unsplit._src.front.options import Bitwise, Options
 from unsplit._src.processes import agreement
 from unsplit._src.step import groups, sums, validate
 from unsplit._src.step.default import DefaultStep
 from unsplit._src.step.layout import Layout
+from unsplit._src.step.sums import Result
 from unsplit._src.trees import canonical_dtype
 
 LossFn = sums.LossFn
@@ -37,7 +39,7 @@ def value_and_grad(
     microbatches: int = 1,
     mesh: jax.sharding.Mesh | None = None,
     batch_axes: str | tuple[str, ...] | None = None,
-    bitwise: bool = False,
+    bitwise: bool | Bitwise = False,
     chunk_size: int | None = None,
     chunk_axes: str | tuple[str, ...] | None = None,
     group_size: int | None = None,
@@ -142,21 +144,9 @@ def value_and_grad(
         >>> bool(jnp.allclose(l1, l4)) and bool(jnp.allclose(g1, g4))
         True
     """
-    return Step(
-        loss_fn,
-        batch_loss=batch_loss,
-        weighted=weighted,
-        has_aux=has_aux,
-        microbatches=microbatches,
-        mesh=mesh,
-        batch_axes=batch_axes,
-        bitwise=bitwise,
-        chunk_size=chunk_size,
-        chunk_axes=chunk_axes,
-        group_size=group_size,
-        audit=audit,
-        checked=checked,
-    )
+    options = dict(locals())
+    del options["loss_fn"]
+    return Step(loss_fn, Options.make(**options))
 
 
 class Step:
@@ -165,87 +155,57 @@ class Step:
     Calling it validates the inputs on the host (shapes and dtypes only; it
     never waits for the device), then runs a program that is traced and
     compiled once per input shapes and params layout: later calls reuse it.
+
+    One call, in order (:meth:`_run`): rows grouped into examples
+    (``group_size``), the inputs checked (and, on a multi-process first call,
+    agreed), the loss audited once, then the mode's engine -- default mode's one
+    SPMD program (:class:`~unsplit._src.step.default.DefaultStep`) or bitwise
+    mode's programs (:class:`~unsplit._src.bitwise.step.BitwiseStep`).
     """
 
-    def __init__(
-        self,
-        loss_fn: LossFn,
-        *,
-        batch_loss: BatchLossFn | None = None,
-        weighted: bool = False,
-        has_aux: bool = False,
-        microbatches: int = 1,
-        mesh: jax.sharding.Mesh | None = None,
-        batch_axes: str | tuple[str, ...] | None = None,
-        bitwise: bool = False,
-        chunk_size: int | None = None,
-        chunk_axes: str | tuple[str, ...] | None = None,
-        group_size: int | None = None,
-        audit: bool = False,
-        checked: bool = False,
-    ):
+    def __init__(self, loss_fn: LossFn, options: Options | None = None, /, **keywords: Any):
         validate.check_callable(loss_fn)
-        validate.check_microbatches(microbatches)
-        validate.check_mesh(mesh)
-        weighted = validate.check_flag("weighted", weighted)
-        if batch_loss is not None:
-            _check_batch_loss(batch_loss, weighted)
+        if options is None:
+            options = Options.make(**keywords)
+        elif keywords:
+            raise TypeError(
+                f"Step takes its options as one Options object or as keywords, not both; got "
+                f"both and {sorted(keywords)}. Fix: unsplit.value_and_grad(loss_fn, ...)."
+            )
+        self.options = options
         self.spec = sums.LossSpec(
             loss_fn,
-            weighted=weighted,
-            has_aux=validate.check_flag("has_aux", has_aux),
-            batch_loss=batch_loss,
+            weighted=options.weighted,
+            has_aux=options.has_aux,
+            batch_loss=options.batch_loss,
         )
-        self.microbatches = int(microbatches)
-        self.group_size = groups.check_group_size(group_size)
-        self.layout = Layout.make(mesh, batch_axes)
-        self.bitwise = validate.check_flag("bitwise", bitwise)
-        self.chunk_size = chunk_size
-        self.audit = validate.check_flag("audit", audit)
-        self.checked = validate.check_flag("checked", checked)
+        self.layout = Layout.make(options.mesh, options.batch_axes)
         self._agreed = False  # several processes: agreed on the first call
         self._audited = False
-        if self.bitwise:
+        if options.bitwise is not None:
             from unsplit._src.bitwise import step as bitwise_lib
 
-            self._impl = bitwise_lib.BitwiseStep(self.spec, self.layout, chunk_size, chunk_axes)
+            self._engine = bitwise_lib.BitwiseStep(self.spec, self.layout, options.bitwise)
         else:
-            if chunk_axes is not None:
-                raise ValueError(
-                    f"chunk_axes={chunk_axes!r} only applies with bitwise=True; got "
-                    "bitwise=False (default mode already computes with params sharded as "
-                    "given). Fix: drop chunk_axes, or pass bitwise=True."
-                )
-            if chunk_size is not None:
-                raise ValueError(
-                    f"chunk_size={chunk_size} only applies with bitwise=True; got bitwise=False. "
-                    "Fix: drop chunk_size, or pass bitwise=True."
-                )
-            self._impl = DefaultStep(self.spec, self.layout, self.microbatches, self.settings())
+            self._engine = DefaultStep(
+                self.spec, self.layout, options.microbatches, self.settings()
+            )
 
-    @property
-    def loss_fn(self) -> LossFn:
-        return self.spec.loss_fn
-
-    @property
-    def batch_loss(self) -> BatchLossFn | None:
-        return self.spec.batch_loss
-
-    @property
-    def weighted(self) -> bool:
-        return self.spec.weighted
-
-    @property
-    def has_aux(self) -> bool:
-        return self.spec.has_aux
-
-    @property
-    def mesh(self) -> jax.sharding.Mesh | None:
-        return self.layout.mesh
-
-    @property
-    def batch_axes(self) -> tuple[str, ...]:
-        return self.layout.batch_axes
+    # The options, read as attributes (``step.bitwise`` is a bool, as the keyword was).
+    loss_fn = property(lambda self: self.spec.loss_fn)
+    batch_loss = property(lambda self: self.options.batch_loss)
+    weighted = property(lambda self: self.options.weighted)
+    has_aux = property(lambda self: self.options.has_aux)
+    microbatches = property(lambda self: self.options.microbatches)
+    group_size = property(lambda self: self.options.group_size)
+    checked = property(lambda self: self.options.checked)
+    audit = property(lambda self: self.options.audit)
+    bitwise = property(lambda self: self.options.bitwise is not None)
+    chunk_size = property(
+        lambda self: None if self.options.bitwise is None else self.options.bitwise.chunk_size
+    )
+    mesh = property(lambda self: self.layout.mesh)
+    batch_axes = property(lambda self: self.layout.batch_axes)
 
     @property
     def num_devices(self) -> int:
@@ -254,22 +214,19 @@ class Step:
 
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
-        mesh = None if self.mesh is None else dict(self.mesh.shape)
-        if self.batch_loss is not None:
-            name += f", batch_loss={getattr(self.batch_loss, '__name__', repr(self.batch_loss))}"
-        return (
-            f"Step({name}, weighted={self.weighted}, has_aux={self.has_aux}, "
-            f"microbatches={self.microbatches}, mesh={mesh}, batch_axes={self.batch_axes}, "
-            f"bitwise={self.bitwise}"
-            + (f", group_size={self.group_size})" if self.group_size else ")")
-        )
+        shown = {
+            k: dict(v.shape) if k == "mesh" else getattr(v, "__name__", v)
+            for k, v in self.options.changed().items()
+        }
+        return f"Step({', '.join([name, *(f'{k}={v!r}' for k, v in shown.items())])})"
 
     def settings(self) -> dict[str, Any]:
         """What fixes the computation, besides the inputs (agreed between processes)."""
+        bitwise = self.options.bitwise
         return {
-            "mode": "bitwise" if self.bitwise else "default",
-            "chunk_size": self.chunk_size,
-            "chunk_axes": getattr(getattr(self, "_impl", None), "chunk_axes", ()),
+            "mode": self.options.mode,
+            "chunk_size": None if bitwise is None else bitwise.chunk_size,
+            "chunk_axes": getattr(getattr(self, "_engine", None), "chunk_axes", ()),
             "microbatches": self.microbatches,
             "group_size": self.group_size,
             "weighted": self.weighted,
@@ -279,30 +236,41 @@ class Step:
             "mesh": self.mesh,
         }
 
-    def check_inputs(self, params: Any, batch: Any, key: jax.Array, ids: Any = None) -> Any:
-        """Checks a call's inputs; returns the ids as the step's engine takes them.
+    def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
+        with memory_hint(self):  # also the first call's transfers and compiles
+            result = self._run(params, batch, key, ids)
+        if self.has_aux:
+            return (result.loss, result.aux), result.grads
+        return result.loss, result.grads
+
+    def _run(
+        self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, memo: Any = None
+    ) -> Result:
+        """One call, both modes: group, check (agree, audit), run the engine, check the result.
+
+        ``memo``: the train step's dict, kept while it passes back the params it
+        returned, so the engine need not look at their layout again.
+        """
+        batch, ids = self._group(batch, ids)
+        if self.bitwise:
+            validate.refuse_bitwise_in_jit(params, batch, key, ids)
+        ids = self._agree_on_inputs(params, batch, key, ids)
+        self._audit_once(params, batch, key)
+        result = self._engine(params, batch, key, ids, memo=memo)
+        if self.checked:
+            validate.check_result(result.loss, result.weight)
+        return result
+
+    def _agree_on_inputs(self, params: Any, batch: Any, key: jax.Array, ids: Any) -> Any:
+        """Validates the inputs; on a multi-process first call, also agrees on them.
 
         Shapes, dtypes and the schedule are checked on the host (no device
         work). On a multi-process first call the processes also agree on the
-        settings, params, key and batch (one small collective), so a mistake
-        on one process raises on all of them before any work; inside the
-        caller's jit that comparison happens on device instead (see
-        :mod:`unsplit._src.step.default`). The first call also audits the loss
-        (see ``audit=``). ``step(...)`` runs this first.
+        settings, params, key and batch (one small collective), so a mistake on
+        one process raises on all of them before any work; inside the caller's
+        jit that comparison happens on device instead (see
+        :mod:`unsplit._src.step.default`). Returns the ids as the engine takes them.
         """
-        if self.bitwise:
-            validate.refuse_bitwise_in_jit(params, batch, key, ids)
-        ids = self._checked(params, batch, key, ids)
-        self._audit_once(params, batch, key)
-        return ids
-
-    @property
-    def engine(self) -> Any:
-        """What runs this step's mode: default mode's program, or bitwise mode's programs."""
-        return self._impl
-
-    def _checked(self, params: Any, batch: Any, key: jax.Array, ids: Any) -> Any:
-        """Validates the inputs; on a multi-process first call, also agrees on them."""
         if self._agreed or not agreement.needed() or validate.is_traced(params, batch, key, ids):
             return self._validated(batch, key, ids)
         what = f"the first call of {self!r}"
@@ -338,6 +306,14 @@ class Step:
         audit_finding.raise_for(findings, kinds=errors)
         self._audited = True
 
+    def _group(self, batch: Any, ids: Any = None) -> tuple[Any, Any]:
+        """With ``group_size``: the row batch and row ids as the group batch and group ids
+        (checked: no schedule piece splits a group); without, ``(batch, ids)`` as given."""
+        if self.group_size is None:
+            return batch, ids
+        shares = self.num_devices * (1 if self.bitwise else self.microbatches)
+        return groups.group_rows(batch, ids, self.group_size, shares=shares)
+
     def lower(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
         """The compiled program a call with these inputs runs, lowered (default mode).
 
@@ -352,43 +328,9 @@ class Step:
                 "step's per-device memory and bytes sent from all its programs; or call "
                 "lower() on a bitwise=False step to inspect its program."
             )
-        batch, ids = self.group(batch, ids)
-        return self._impl.lower(params, batch, key, self._checked(params, batch, key, ids))
-
-    def group(self, batch: Any, ids: Any = None) -> tuple[Any, Any]:
-        """With ``group_size``: the row batch and row ids as the group batch and group ids
-        (checked: no schedule piece splits a group); without, ``(batch, ids)`` as given.
-        ``step(...)`` runs this first; :meth:`check_inputs` takes its result."""
-        if self.group_size is None:
-            return batch, ids
-        shares = self.num_devices * (1 if self.bitwise else self.microbatches)
-        return groups.group_rows(batch, ids, self.group_size, shares=shares)
-
-    def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
-        with memory_hint(self):  # also the first call's transfers and compiles
-            batch, ids = self.group(batch, ids)
-            ids = self.check_inputs(params, batch, key, ids)
-            loss, grads, aux, weight = self._impl(params, batch, key, ids)
-        if self.checked:
-            validate.check_result(loss, weight)
-        if self.has_aux:
-            return (loss, aux), grads
-        return loss, grads
-
-
-def _check_batch_loss(batch_loss: Any, weighted: bool) -> None:
-    if not callable(batch_loss):
-        raise TypeError(
-            f"batch_loss must be a function batch_loss(params, features) -> scalar loss of the "
-            f"global batch; got {type(batch_loss).__name__}. Fix: pass a function, or omit "
-            "batch_loss for a loss that is a mean over independent examples."
-        )
-    if weighted:
-        raise ValueError(
-            "weighted=True does not apply with batch_loss: expected weighted=False, because "
-            "batch_loss returns the loss of the whole global batch itself; got weighted=True. "
-            "Fix: drop weighted=True; return each example's (loss_sum, weight) as features and "
-            "compute jnp.sum(loss_sums) / jnp.sum(weights) inside batch_loss."
+        batch, ids = self._group(batch, ids)
+        return self._engine.lower(
+            params, batch, key, self._agree_on_inputs(params, batch, key, ids)
         )
 
 

@@ -347,10 +347,10 @@ def test_a_batch_on_a_bigger_mesh_than_the_steps_is_moved():
 def test_out_of_memory_gets_the_microbatches_hint(monkeypatch):
     step = unsplit.value_and_grad(masked_loss, microbatches=2)
 
-    def exhausted(*args):
+    def exhausted(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
 
-    monkeypatch.setattr(step, "_impl", exhausted)
+    monkeypatch.setattr(step, "_engine", exhausted)
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"ran out of device memory.*microbatches"):
         step(W3, X8, KEY0)
 

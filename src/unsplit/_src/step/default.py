@@ -42,10 +42,11 @@ class DefaultStep:
         self._programs: dict[Any, Any] = {}
         self._warned: set[str] = set()
 
-    def __call__(self, params, batch, key, ids):
+    def __call__(self, params, batch, key, ids, *, memo: dict | None = None) -> sums.Result:
+        """Runs the step (``memo`` is bitwise mode's: one jit looks at the params anyway)."""
         structure, program, args = self._prepare(params, batch, key, ids)
         loss, grads, aux, weight = program(*args)
-        return loss, structure.grads_tree(grads), aux, weight
+        return sums.Result(loss, structure.grads_tree(grads), aux, weight, params)
 
     def lower(self, params, batch, key, ids) -> jax.stages.Lowered:
         """The program this call would run, lowered (``.compile().memory_analysis()``...)."""

@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
@@ -26,24 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from unsplit._src import keys as keys_lib
+from unsplit._src.step import validate
 
 
 def check_group_size(group_size: Any) -> int | None:
     """``group_size`` as an int >= 1, or None."""
-    if group_size is None:
-        return None
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
-        raise TypeError(
-            f"group_size must be an int >= 1 (rows per example); got {group_size=!r} of type "
-            f"{type(group_size).__name__}. Fix: pass e.g. group_size=4, or None for one row "
-            "per example."
-        )
-    if group_size < 1:
-        raise ValueError(
-            f"group_size must be >= 1 (rows per example); got {group_size=}. Fix: pass "
-            "group_size=None (or 1) for one row per example."
-        )
-    return int(group_size)
+    return validate.check_positive_int(
+        "group_size", group_size, meaning="rows per example", allow_none=True
+    )
 
 
 def group_rows(batch: Any, ids: Any, group_size: int, *, shares: int) -> tuple[Any, Any]:

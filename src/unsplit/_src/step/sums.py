@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,16 @@ from unsplit._src import keys as keys_lib
 from unsplit._src.step import state_guard, validate
 
 LossFn = Callable[[Any, Any, jax.Array], Any]
+
+
+class Result(NamedTuple):
+    """What a step's engine returns: both modes, every layout."""
+
+    loss: jax.Array  # shape=(), the global batch's loss
+    grads: Any  # params' structure, None at leaves without a gradient
+    aux: Any  # per-example aux stacked in global-batch order, or None
+    weight: jax.Array  # shape=(), the global batch's total weight
+    params: Any  # the params as the step ran them (bitwise mode: placed on its mesh)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,17 +47,32 @@ def check_callable(loss_fn: Any) -> None:
         )
 
 
-def check_microbatches(microbatches: Any) -> None:
-    if isinstance(microbatches, bool) or not isinstance(microbatches, numbers.Integral):
+def check_positive_int(
+    name: str, value: Any, *, meaning: str, allow_none: bool = False
+) -> int | None:
+    """``value`` as an int >= 1 (``None`` passes when ``allow_none``): the one check of
+    ``microbatches``, ``group_size`` and ``chunk_size``. A non-int (a float, a bool, a
+    string) raises TypeError, an int below 1 ValueError."""
+    if value is None and allow_none:
+        return None
+    none = f", or {name}=None for the default" if allow_none else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
-            f"microbatches must be an int >= 1; got {microbatches=!r} of type "
-            f"{type(microbatches).__name__}. Fix: pass e.g. microbatches=4."
+            f"{name} must be an int >= 1 ({meaning}); got {name}={value!r} of type "
+            f"{type(value).__name__}. Fix: pass e.g. {name}=4{none}."
         )
-    if microbatches < 1:
+    if value < 1:
         raise ValueError(
-            f"microbatches must be >= 1 (the number of sequential accumulation steps per "
-            f"device); got {microbatches=}. Fix: use microbatches=1 for no accumulation."
+            f"{name} must be >= 1 ({meaning}); got {name}={value}. Fix: pass {name}=1 or "
+            f"more{none}."
         )
+    return int(value)
+
+
+def check_microbatches(microbatches: Any) -> None:
+    check_positive_int(
+        "microbatches", microbatches, meaning="sequential accumulation steps per device"
+    )
 
 
 def check_flag(name: str, value: Any) -> bool:
