@@ -13,8 +13,6 @@ import math
 import os
 import sys
 
-from unsplit.demo import config as demo_config
-
 _DESCRIPTION = """\
 unsplit: schedule-invariant randomness and gradients for JAX.
 
@@ -68,8 +66,12 @@ _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 _FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``unsplit`` parser: one subparser per command (``demo``, ``audit``)."""
+def build_parser(command: str | None = "demo") -> argparse.ArgumentParser:
+    """The ``unsplit`` parser: one subparser per command (``demo``, ``audit``).
+
+    The demo's options (and so the demo's settings module) are added only when
+    ``command`` is ``"demo"``: other commands never import the demo.
+    """
     parser = argparse.ArgumentParser(
         prog="unsplit",
         description=_DESCRIPTION,
@@ -77,12 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_demo_parser(sub)
+    _add_demo_parser(sub, with_options=command == "demo")
     _add_audit_parser(sub)
     return parser
 
 
-def _add_demo_parser(sub) -> None:
+def _add_demo_parser(sub, with_options: bool) -> None:
     demo = sub.add_parser(
         "demo",
         help="train one model under many schedules and compare (see `unsplit demo --help`)",
@@ -90,6 +92,8 @@ def _add_demo_parser(sub) -> None:
         epilog=_DEMO_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    if not with_options:
+        return
     _add_demo_training_options(demo.add_argument_group("training"))
     _add_demo_model_options(demo.add_argument_group("model and data"))
     _add_demo_output_options(demo.add_argument_group("output"))
@@ -100,6 +104,8 @@ def _preset_text(preset: dict) -> str:
 
 
 def _add_demo_training_options(run: argparse._ArgumentGroup) -> None:
+    from unsplit.demo import config as demo_config
+
     d, quick, long = demo_config.DemoConfig(), demo_config.QUICK, demo_config.LONG
     run.add_argument(
         "--steps",
@@ -137,6 +143,8 @@ def _add_demo_training_options(run: argparse._ArgumentGroup) -> None:
 
 
 def _add_demo_model_options(model: argparse._ArgumentGroup) -> None:
+    from unsplit.demo import config as demo_config
+
     d = demo_config.DemoConfig()
     model.add_argument(
         "--batch-size",
@@ -270,7 +278,8 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_command(given))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -282,8 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def config_from_args(args: argparse.Namespace) -> demo_config.DemoConfig:
+def _command(argv: list[str]) -> str | None:
+    """The command word of ``argv`` (its first argument that is not an option), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def config_from_args(args: argparse.Namespace):
     """The demo's settings from parsed options; ``--quick`` or ``--long`` fills what is not given."""
+    from unsplit.demo import config as demo_config
+
     names = ("steps", "batch_size", "length", "width", "layers", "heads", "dropout")
     given = {k: getattr(args, k) for k in (*names, "learning_rate", "seed")}
     preset = "quick" if args.quick else "long" if getattr(args, "long", False) else "default"

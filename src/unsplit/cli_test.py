@@ -347,3 +347,17 @@ def test_python_m_unsplit_audit_entry_point():
     )
     assert proc.returncode == 1, proc.stderr
     assert [f["kind"] for f in json.loads(proc.stdout)] == ["batch_draw"]
+
+
+def test_only_the_demo_command_imports_the_demo():
+    # `unsplit --help` and `unsplit audit` run on a core install: they never import the demo.
+    code = (
+        "import sys\n"
+        "from unsplit import cli\n"
+        "cli.build_parser(None).format_help()\n"
+        "cli.build_parser('audit').parse_args(['audit', 'm:f'])\n"
+        "assert not [m for m in sys.modules if m.startswith('unsplit.demo')], sys.modules\n"
+        "cli.build_parser('demo')\n"
+        "assert 'unsplit.demo.config' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
