@@ -230,7 +230,7 @@ def train(args: argparse.Namespace) -> int:
 
     import unsplit
 
-    run = setup(args, mesh_over(args.devices))
+    run = setup(args, unsplit.mesh_over(args.devices))
     lead = jax.process_index() == 0
     say = Reporter(args, lead)
     topology = {"processes": jax.process_count(), "devices": args.devices,
@@ -439,32 +439,9 @@ def settings(args: argparse.Namespace, records: int) -> dict:
     fixed = {name: getattr(args, name) for name in FIXED}
     fixed["chunk_size"] = chunk_size(args)
     fixed["records"] = records
-    if args.bitwise:
-        import jax
-        import jaxlib
+    import unsplit.checkpoint
 
-        fixed["jax"], fixed["jaxlib"] = jax.__version__, jaxlib.__version__
-    return fixed
-
-
-def mesh_over(devices_per_process: int):
-    """A 1-D ``("data",)`` mesh over the first ``devices_per_process`` devices of every process."""
-    import jax
-
-    chosen = []
-    for p in range(jax.process_count()):
-        mine = [d for d in jax.devices() if d.process_index == p]
-        if len(mine) < devices_per_process:
-            raise RuntimeError(
-                f"process {p} has {len(mine)} devices; the run asked for {devices_per_process} "
-                "per process. Fix: fewer devices, or on CPU set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={devices_per_process} "
-                "before jax starts (main() does)."
-            )
-        chosen += mine[:devices_per_process]
-    return jax.make_mesh(
-        (len(chosen),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=chosen
-    )
+    return unsplit.checkpoint.run_settings(fixed, bitwise=args.bitwise)
 
 
 def replicate(tree, mesh):

@@ -12,5 +12,6 @@ require("orbax.checkpoint", extra="checkpoint", what="unsplit.checkpoint")
 
 from unsplit._src.elastic.checkpoint import Checkpointer as Checkpointer
 from unsplit._src.elastic.checkpoint import SettingsMismatch as SettingsMismatch
+from unsplit._src.elastic.checkpoint import run_settings as run_settings
 
-__all__ = ["Checkpointer", "SettingsMismatch"]
+__all__ = ["Checkpointer", "SettingsMismatch", "run_settings"]

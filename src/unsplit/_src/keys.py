@@ -293,6 +293,22 @@ def id_words(ids: Any) -> tuple[jax.Array, jax.Array]:
     return _split_words(jnp.asarray(arr))
 
 
+def step_words(ids: Any, size: int, *, on_host: bool = False) -> tuple[Any, Any]:
+    """A step's checked ids (``None``, :class:`Ids64` or an integer array) as (hi, lo) words.
+
+    ``None`` is ``arange(size)`` (NumPy words with ``on_host``, for arrays that
+    are placed later; JAX words otherwise, e.g. inside a compiled step). Reads
+    nothing back from the device: the step checked the ids' dtype before, and
+    negative values of a JAX array wrap as in ``fold_in``.
+    """
+    if ids is None:
+        xp = np if on_host else jnp
+        return xp.zeros(size, xp.uint32), xp.arange(size, dtype=xp.uint32)
+    if isinstance(ids, Ids64):
+        return ids.hi, ids.lo
+    return _split_words(jnp.asarray(ids))
+
+
 def _split_words(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     if jnp.dtype(ids.dtype).itemsize == 8:
         wide = ids.astype(jnp.uint64)

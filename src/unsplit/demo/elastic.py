@@ -83,30 +83,7 @@ class ElasticConfig:
         del fixed["microbatches"]
         fixed["chunk_size"] = self.effective_chunk_size()
         fixed["records"] = int(records)
-        if self.bitwise:
-            import jaxlib
-
-            fixed["jax"] = jax.__version__
-            fixed["jaxlib"] = jaxlib.__version__
-        return fixed
-
-
-def mesh_over(devices_per_process: int) -> jax.sharding.Mesh:
-    """A 1-D ``("data",)`` mesh over the first ``devices_per_process`` devices of every process."""
-    chosen = []
-    for p in range(jax.process_count()):
-        mine = [d for d in jax.devices() if d.process_index == p]
-        if len(mine) < devices_per_process:
-            raise RuntimeError(
-                f"process {p} has {len(mine)} devices; the run asked for {devices_per_process} "
-                "per process. Fix: fewer devices, or on CPU set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={devices_per_process} "
-                "before jax starts (examples/train_lm.py does)."
-            )
-        chosen += mine[:devices_per_process]
-    return jax.make_mesh(
-        (len(chosen),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=chosen
-    )
+        return unsplit.checkpoint.run_settings(fixed, bitwise=self.bitwise)
 
 
 @dataclasses.dataclass

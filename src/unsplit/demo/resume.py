@@ -144,7 +144,7 @@ def worker(
         bitwise=True, chunk_size=cfg.batch_size // 8, microbatches=microbatches,
     )  # fmt: skip
     began = time.perf_counter()
-    run = elastic.setup(ecfg, elastic.mesh_over(jax.local_device_count()))
+    run = elastic.setup(ecfg, unsplit.mesh_over(jax.local_device_count()))
     ckpt = unsplit.checkpoint.Checkpointer(os.path.join(folder, "ckpt"), settings=run.settings)
     params, opt_state, start = run.params, run.opt_state, 0
     if ckpt.latest_step() is not None:

@@ -15,21 +15,18 @@ way (:mod:`~unsplit.demo.train`). :func:`run` returns a JSON-ready dict;
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import platform
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from unsplit import models, testing
 from unsplit.demo import data as demo_data
 from unsplit.demo import processes as demo_processes
 from unsplit.demo import progress as demo_progress
 from unsplit.demo import resume as demo_resume
+from unsplit.demo import rows
 from unsplit.demo import train as dt
 
 
@@ -84,7 +81,7 @@ class Contrast:
     compiles: float
 
 
-BASELINE = "flax baseline"  # flax's batch-level dropout, the whole batch on 1 device
+BASELINE = rows.BASELINE
 BASELINE_COST = (1.8, 0.7, 0.0)
 ELASTIC_COST = (17.0, 6.0, 0.0)  # two launches (1 then 2 processes), both compile
 CALIBRATE_AT = 11  # the reference's step 1 (compile) to this step times the estimate
@@ -102,46 +99,6 @@ def bitwise_unavailable(config: dt.DemoConfig, loss_fn: Callable) -> str | None:
     except NotImplementedError as e:
         return str(e)
     return None
-
-
-def inert_leaves(params: Any) -> list[str]:
-    """Paths of the attention key biases: parameters that cannot change the model's output.
-
-    A key bias adds the same ``q . b`` to every attention logit of a query, and
-    softmax ignores such a shift, so its gradient is 0 up to rounding. Adam
-    rescales that rounding noise into full-size steps, in every run alike, so
-    these values drift apart between *any* two runs and say nothing about the
-    schedule; :func:`compare` leaves them out of ``max_abs_param_diff``.
-    """
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    return [p for p in paths if p.endswith("['key']['bias']")]
-
-
-def compare(snapshots: dict, reference: dict, skip: set[int] = frozenset()):
-    """Max |param difference| at every snapshot step (leaves in ``skip`` left out).
-
-    Returns:
-        ``(curve, max_all, bit_identical)``: ``[[step, max diff], ...]``, the
-        last step's max diff over every leaf, and whether every leaf is
-        bit-identical at the last step.
-    """
-
-    def diffs(step):
-        return [
-            float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)), initial=0.0))
-            for a, b in zip(snapshots[step], reference[step], strict=True)
-        ]
-
-    curve = [
-        [step, max(d for i, d in enumerate(diffs(step)) if i not in skip)]
-        for step in sorted(snapshots)
-    ]
-    last = max(snapshots)
-    same = all(
-        a.dtype == b.dtype and a.tobytes() == b.tobytes()
-        for a, b in zip(snapshots[last], reference[last], strict=True)
-    )
-    return curve, max(diffs(last)), same
 
 
 def run(
@@ -355,97 +312,26 @@ def train_elastic(trainer: Trainer, plan: Plan, timeout_s: float) -> dict | None
 def results(trainer: Trainer, plan: Plan, elastic_info: dict | None) -> dict[str, Any]:
     """The JSON-ready result of every run (see ``docs/demo.md``)."""
     runs = trainer.runs
-    inert = inert_leaves(trainer.params)
+    inert = rows.inert_leaves(trainer.params)
     flat = jax.tree_util.tree_flatten_with_path(trainer.params)[0]
     skip = {i for i, (p, _) in enumerate(flat) if jax.tree_util.keystr(p) in inert}
 
     def row(name: str, against: str, **fields) -> dict[str, Any]:
-        return result_row(name, runs[name], runs[against], against, skip, **fields)
+        return rows.result_row(name, runs[name], runs[against], against, skip, **fields)
 
     result = {
         "config": dataclasses.asdict(trainer.config),
-        "environment": _environment(),
-        "schedules": schedule_rows(row, plan, elastic_info, trainer.config.steps),
-        "contrast": [contrast_row(row, c) for c in CONTRASTS],
-        "baselines": [baseline_row(runs[BASELINE])],
+        "environment": rows.environment(),
+        "schedules": rows.schedule_rows(row, plan, elastic_info, trainer.config.steps),
+        "contrast": [rows.contrast_row(row, c) for c in CONTRASTS],
+        "baselines": [rows.baseline_row(runs[BASELINE])],
         "skipped": plan.skipped,
         "inert_params": inert,
     }
     if plan.bitwise:
-        curve, _, _ = compare(
+        curve, _, _ = rows.compare(
             runs["reference, bitwise"].snapshots, runs["reference"].snapshots, skip
         )
         result["default_vs_bitwise_reference_max_abs_param_diff"] = curve[-1][1]
     result["elapsed_s"] = time.perf_counter() - trainer.started
     return result
-
-
-def contrast_row(row: Callable, c: Contrast) -> dict[str, Any]:
-    return row(
-        c.name, c.compared_with, scheme=c.scheme, devices=c.devices, microbatches=c.microbatches
-    )
-
-
-def schedule_rows(row: Callable, plan: Plan, elastic_info: dict | None, steps: int) -> list[dict]:
-    """The schedules' rows, default mode first, then bitwise mode and the elastic row."""
-    rows = [
-        row(s.name, s.reference, devices=s.devices, processes=s.processes,
-            microbatches=s.microbatches, bitwise=s.bitwise)
-        for s in [*plan.local, *plan.remote]
-    ]  # fmt: skip
-    rows.sort(key=lambda r: r["bitwise"])  # stable: in the order of schedules()
-    if elastic_info is not None:
-        second = demo_resume.SECOND
-        rows.append(
-            row(demo_resume.name(steps), "reference, bitwise",
-                devices=second["devices"] * second["processes"], processes=second["processes"],
-                microbatches=second["microbatches"], bitwise=True, **elastic_info)
-        )  # fmt: skip
-    return rows
-
-
-def result_row(
-    name: str, r: dt.Run, reference: dt.Run, against: str, skip: set[int], **fields
-) -> dict[str, Any]:
-    """One row of the table and the JSON: ``r`` compared with the run named ``against``."""
-    curve, all_diff, same = compare(r.snapshots, reference.snapshots, skip)
-    return {
-        "name": name,
-        **fields,
-        "final_loss": float(r.losses[-1]),
-        "max_abs_param_diff": curve[-1][1],
-        "max_abs_param_diff_all": all_diff,
-        "bit_identical": same,
-        "step_time_s": r.step_time_s,
-        "wall_s": r.wall_s,
-        "compared_with": against,
-        "losses": r.losses.tolist(),
-        "divergence": curve,
-    }
-
-
-def baseline_row(base: dt.Run) -> dict[str, Any]:
-    return {
-        "name": BASELINE,
-        "scheme": "one_device",
-        "final_loss": float(base.losses[-1]),
-        "step_time_s": base.step_time_s,
-        "wall_s": base.wall_s,
-        "losses": base.losses.tolist(),
-    }
-
-
-def _environment() -> dict[str, Any]:
-    return {
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "backend": jax.default_backend(),
-        "device_count": jax.device_count(),
-    }
-
-
-def dumps(result: dict) -> str:
-    """The results as indented JSON."""
-    return json.dumps(result, indent=1)

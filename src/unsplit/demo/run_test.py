@@ -12,13 +12,7 @@ import signal
 import subprocess
 import sys
 
-import jax
-import numpy as np
 import pytest
-
-from unsplit.demo import config as demo_config
-from unsplit.demo import run as demo
-from unsplit.demo import train as dt
 
 _TIMEOUT_S = 600
 
@@ -125,17 +119,3 @@ def test_quick_demo_end_to_end(tmp_path):
         assert not c["bit_identical"], c["name"]
         assert c["max_abs_param_diff"] > 1e-3, c
         assert c["max_abs_param_diff"] > 100 * max(default), c
-
-
-def test_inert_leaves_are_the_key_biases_and_compare_skips_them():
-    config = demo_config.make("quick", layers=2)
-    _, params, _ = dt.initial_state(config)
-    inert = demo.inert_leaves(params)
-    assert len(inert) == 2 and all(p.endswith("['key']['bias']") for p in inert)
-    leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
-    moved = [x.copy() for x in leaves]
-    moved[0] = moved[0] + np.float32(0.5)
-    curve, everything, same = demo.compare({1: moved}, {1: leaves}, skip={0})
-    assert curve == [[1, 0.0]] and everything == 0.5 and not same
-    curve, _, same = demo.compare({1: leaves}, {1: leaves})
-    assert curve == [[1, 0.0]] and same

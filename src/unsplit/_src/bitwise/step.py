@@ -338,7 +338,7 @@ class _Compiled:
         vectors = self.pack(params)
         by_device = [{s.device: s.data for s in v.addressable_shards} for v in vectors]
         rows = plan.per_group * plan.chunk
-        hi, lo = _id_words(ids, plan.chunks * plan.chunk)
+        hi, lo = keys_lib.step_words(ids, plan.chunks * plan.chunk, on_host=True)
         inputs = {}
         for g in self.local_groups:
             gmesh = plan.group_mesh(g)
@@ -692,18 +692,6 @@ class _Placer:
         if len(self.devices) == 1:
             return self.one_device(jax.device_put(x, self.devices[0]))
         return jax.device_put(x, self.replicated)
-
-
-def _id_words(ids, size: int):
-    """The ids' (hi, lo) words as global or host arrays of shape (B,)."""
-    if ids is None:
-        return np.zeros(size, np.uint32), np.arange(size, dtype=np.uint32)
-    if isinstance(ids, keys_lib.Ids64):
-        return ids.hi, ids.lo
-    if jax.numpy.dtype(ids.dtype).itemsize == 8:
-        return keys_lib.id_words(ids)
-    lo = jax.numpy.asarray(ids).astype(jax.numpy.uint32)
-    return jax.numpy.zeros_like(lo), lo
 
 
 @contextlib.contextmanager

@@ -200,6 +200,24 @@ class Checkpointer:
         )
 
 
+def run_settings(fixed: Mapping[str, Any], *, bitwise: bool) -> dict[str, Any]:
+    """A run's settings for :class:`Checkpointer`: ``fixed``, and in bitwise mode what
+    else fixes the bits -- JAX's and jaxlib's versions (a resume on another version
+    would silently give other bits).
+
+    Example:
+        >>> import unsplit.checkpoint
+        >>> sorted(unsplit.checkpoint.run_settings({"seed": 0}, bitwise=True))
+        ['jax', 'jaxlib', 'seed']
+    """
+    import jaxlib
+
+    out = dict(fixed)
+    if bitwise:
+        out["jax"], out["jaxlib"] = jax.__version__, jaxlib.__version__
+    return out
+
+
 def _abstract(x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         if x.sharding is None:

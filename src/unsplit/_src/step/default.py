@@ -252,16 +252,6 @@ def _concrete_sharding(x: Any, layout: Layout) -> P | None:
 
 
 def _id_words(ids, size: int, layout: Layout) -> keys_lib.Ids64:
-    if ids is None:
-        lo = jnp.arange(size, dtype=jnp.uint32)
-        hi = jnp.zeros_like(lo)
-    elif isinstance(ids, keys_lib.Ids64):
-        hi, lo = ids.hi, ids.lo
-    elif jnp.dtype(ids.dtype).itemsize == 8:  # int64/uint64 under x64: split exactly
-        wide = ids.astype(jnp.uint64)
-        hi, lo = (wide >> 32).astype(jnp.uint32), (wide & 0xFFFFFFFF).astype(jnp.uint32)
-    else:  # an integer array validated on the host; negative values wrap like fold_in
-        lo = ids.astype(jnp.uint32)
-        hi = jnp.zeros_like(lo)
+    hi, lo = keys_lib.step_words(ids, size)
     hi, lo = (layout.constrain(w, P(layout.batch_entry)) for w in (hi, lo))
     return keys_lib.Ids64(hi=hi, lo=lo)
