@@ -5,8 +5,10 @@ a lazy import cannot hide a dependency.
 """
 
 import ast
+import inspect
 import pathlib
 import re
+import textwrap
 
 import pytest
 
@@ -171,3 +173,79 @@ def test_tests_share_helpers_through_test_util_not_each_other():
     assert not offenders, (
         f"test modules import other test modules (move it to test_util): {offenders}"
     )
+
+
+# A product module holds one idea: at most this many lines; a class or function at most
+# LONG lines unless the comment line right above it (``# Long: ...``) says why it stays whole.
+MODULE_LINES = 400
+LONG = 150
+
+
+def product_files() -> list[pathlib.Path]:
+    return [p for p in python_files("src/unsplit") if not is_test(p)]
+
+
+def test_product_modules_hold_one_idea():
+    big = {
+        str(p.relative_to(ROOT)): n
+        for p in product_files()
+        if (n := len(p.read_text().splitlines())) > MODULE_LINES
+    }
+    assert not big, f"modules over {MODULE_LINES} lines (split them by idea): {big}"
+
+
+def test_long_classes_and_functions_say_why():
+    unexplained = []
+    for path in product_files():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if node.end_lineno - node.lineno + 1 <= LONG:
+                continue
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if not lines[first - 2].strip().startswith("# Long:"):
+                unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not unexplained, f"over {LONG} lines without a '# Long: why' comment: {unexplained}"
+
+
+def public_attributes(cls: type) -> set[str]:
+    """The public names a class defines itself: methods, properties, and ``self.x = ...``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    names = {
+        n.name for n in tree.body[0].body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    names |= {
+        t.id for n in tree.body[0].body if isinstance(n, ast.Assign) for t in n.targets
+        if isinstance(t, ast.Name)
+    }  # fmt: skip
+    names |= {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    }
+    return {n for n in names if not n.startswith("_")}
+
+
+def test_public_attributes_are_for_users():
+    # Every public attribute of a public class is documented (its docstring, docs/, the README)
+    # or used by an application: nothing public that only the library itself needs.
+    import unsplit
+
+    used = "\n".join(
+        p.read_text()
+        for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *python_files(*APPLICATIONS)]
+    )
+    unused = []
+    for name in unsplit.__all__:
+        cls = getattr(unsplit, name)
+        if not isinstance(cls, type) or not cls.__module__.startswith("unsplit"):
+            continue
+        documented = inspect.getdoc(cls) or ""
+        for attr in sorted(public_attributes(cls)):
+            if not re.search(rf"\.{attr}\b", used) and not re.search(rf"\b{attr}\b", documented):
+                unused.append(f"{name}.{attr}")
+    assert not unused, f"public attributes no user reads (make them private): {unused}"

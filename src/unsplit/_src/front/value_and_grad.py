@@ -161,6 +161,14 @@ class Step:
     agreed), the loss audited once, then the mode's engine -- default mode's one
     SPMD program (:class:`~unsplit._src.step.default.DefaultStep`) or bitwise
     mode's programs (:class:`~unsplit._src.bitwise.step.BitwiseStep`).
+
+    Attributes:
+        options: the step's options as one frozen object (``Options``); the
+            attributes below read it back: ``loss_fn``, ``batch_loss``,
+            ``weighted``, ``has_aux``, ``microbatches``, ``group_size``,
+            ``checked``, ``audit``, ``bitwise`` (a bool), ``chunk_size``,
+            ``mesh`` and ``batch_axes`` (always a tuple).
+        num_devices: how many shares the global batch is split into.
     """
 
     def __init__(self, loss_fn: LossFn, options: Options | None = None, /, **keywords: Any):
@@ -173,26 +181,26 @@ class Step:
                 f"both and {sorted(keywords)}. Fix: unsplit.value_and_grad(loss_fn, ...)."
             )
         self.options = options
-        self.spec = sums.LossSpec(
+        self._spec = sums.LossSpec(
             loss_fn,
             weighted=options.weighted,
             has_aux=options.has_aux,
             batch_loss=options.batch_loss,
         )
-        self.layout = Layout.make(options.mesh, options.batch_axes)
+        self._layout = Layout.make(options.mesh, options.batch_axes)
         self._agreed = False  # several processes: agreed on the first call
         self._audited = False
         if options.bitwise is not None:
             from unsplit._src.bitwise import step as bitwise_lib
 
-            self._engine = bitwise_lib.BitwiseStep(self.spec, self.layout, options.bitwise)
+            self._engine = bitwise_lib.BitwiseStep(self._spec, self._layout, options.bitwise)
         else:
             self._engine = DefaultStep(
-                self.spec, self.layout, options.microbatches, self.settings()
+                self._spec, self._layout, options.microbatches, self.settings()
             )
 
     # The options, read as attributes (``step.bitwise`` is a bool, as the keyword was).
-    loss_fn = property(lambda self: self.spec.loss_fn)
+    loss_fn = property(lambda self: self._spec.loss_fn)
     batch_loss = property(lambda self: self.options.batch_loss)
     weighted = property(lambda self: self.options.weighted)
     has_aux = property(lambda self: self.options.has_aux)
@@ -204,13 +212,13 @@ class Step:
     chunk_size = property(
         lambda self: None if self.options.bitwise is None else self.options.bitwise.chunk_size
     )
-    mesh = property(lambda self: self.layout.mesh)
-    batch_axes = property(lambda self: self.layout.batch_axes)
+    mesh = property(lambda self: self._layout.mesh)
+    batch_axes = property(lambda self: self._layout.batch_axes)
 
     @property
     def num_devices(self) -> int:
         """How many shares the global batch is split into (the batch axes' devices)."""
-        return self.layout.shards
+        return self._layout.shards
 
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
@@ -231,7 +239,7 @@ class Step:
             "group_size": self.group_size,
             "weighted": self.weighted,
             "has_aux": self.has_aux,
-            "coupled": self.spec.coupled,
+            "coupled": self._spec.coupled,
             "batch_axes": self.batch_axes,
             "mesh": self.mesh,
         }
