@@ -288,7 +288,9 @@ def device_key_findings(draws: Sequence[Draw]) -> list[Finding]:
             "from its own key, so an example's noise changes with the number of devices and "
             f"with the device that holds it{_where(group)}"
         )
-        out.append(finding("device_key", message, origin.site or group[0].site))
+        # A map that is the step itself (jax.pmap(step)) has no user line: the draw's is.
+        site = origin.site if origin.site and origin.site.file else group[0].site
+        out.append(finding("device_key", message, site))
     return out
 
 
