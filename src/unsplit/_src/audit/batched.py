@@ -212,9 +212,17 @@ def row_draw_findings(
     groups: dict[tuple, list[Draw]] = {}
     for d in draws:
         tag = draw_tag(d.ctx, d.eqn)
-        if tag in meetings and tag not in seen and _single_key(d):
+        if tag in meetings and tag not in seen and _one_key_here(d):
             groups.setdefault((roots(d.key_info), _same_key_in_loop(d)), []).append(d)
     return _group_findings(groups, meetings)
+
+
+def _one_key_here(d: Draw) -> bool:
+    """Whether the draw uses one key where it runs (its operands' own shapes: inside a loop
+    body, a per-example key array of the microbatch keeps its leading axis)."""
+    single = ((), (2,)) if d.key_dtype == "uint32" else ((),)
+    operands = d.eqn.invars[: len(d.key_shapes)]
+    return all(tuple(getattr(v.aval, "shape", ())) in single for v in operands)
 
 
 def _row_draw_message(d: Draw, meeting: Meeting) -> str:

@@ -206,8 +206,8 @@ def resize_batch(
     ...)``, and a larger batch is a larger batch per device, not more devices.
     NumPy leaves are repeated (they stay concrete); the other array leaves
     become ``ShapeDtypeStruct`` s (keeping a ``NamedSharding``). Per-example
-    key arguments (a key array whose leading size is the batch size) are
-    resized too.
+    key arguments (a key array whose leading size is the batch size, or whose
+    leading two are a stacked leaf's) are resized too.
     """
 
     def axis(path):
@@ -217,10 +217,12 @@ def resize_batch(
         return np.shape(x)[axis(path)] if np.ndim(x) > axis(path) else None
 
     flat = jax.tree_util.tree_flatten_with_path(list(args))[0]
-    sizes = {size(p, x) for p, x in flat if p[0].idx in argnums and is_array(x)}
+    batch = [(p, x) for p, x in flat if p[0].idx in argnums and is_array(x)]
+    sizes = {size(p, x) for p, x in batch}
+    per_device = {np.shape(x)[:2] for p, x in batch if axis(p) == 1}
 
-    def grow(path, x):
-        a = axis(path)
+    def grow(path, x, a=None):
+        a = axis(path) if a is None else a
         if isinstance(x, np.ndarray):
             return np.concatenate([x] * factor, axis=a)
         shape = list(np.shape(x))
@@ -240,6 +242,8 @@ def resize_batch(
                     arg,
                 )
             )
+        elif is_key(arg) and np.shape(arg)[:2] in per_device:  # (devices, B) example keys
+            out.append(grow((jax.tree_util.SequenceKey(i),), arg, 1))
         elif is_key(arg) and np.ndim(arg) and np.shape(arg)[0] in sizes:
             out.append(grow((jax.tree_util.SequenceKey(i),), arg))
         else:
