@@ -125,13 +125,23 @@ def audit_step(
     means accumulated, e.g. ``optax.MultiSteps`` over a token-weighted loss),
     ``unsafe_key``; each ``fix`` names the ``unsplit`` equivalent.
 
+    ``batch_draw`` has two signals: a draw whose shape follows the batch size
+    (the step traced again with the batch twice as large), and a draw from one
+    key whose own axis meets the rows of the batch (a microbatch loop whose
+    size is a constant of the code).
+
     Args:
-        fn: the step, called as ``fn(*args)`` (jitted or not).
+        fn: the step, called as ``fn(*args)``: jitted or not, a
+            ``jax.shard_map`` over a mesh with ``Explicit`` or ``Auto`` axes
+            (inputs keep their ``NamedSharding`` s and the step is traced under
+            their mesh), or a ``jax.pmap`` (its batch, stacked per device as
+            ``(devices, B, ...)``, grows per device).
         *args: example inputs: arrays or ``jax.ShapeDtypeStruct`` s (other
             leaves, such as Python numbers, are held static).
-        batch_argnums: which arguments hold the batch; by default those whose
-            array leaves all share one leading size (the first argument, the
-            params, only if no other does).
+        batch_argnums: which arguments hold the batch (``unsplit audit
+            --batch-args``); by default those whose array leaves all share one
+            leading size (the first argument, the params, only if no other
+            does).
 
     Returns:
         The findings, in program order; ``[]`` when nothing was found.

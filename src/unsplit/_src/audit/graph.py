@@ -139,9 +139,7 @@ class Rules:
         """Called with the top jaxpr's constant and input nodes before the walk."""
 
     def bind_inner(self, eqn: Any, index: int, outer: Node, inner: Node) -> None:
-        """Called for ``eqn``'s input ``index`` entering a nested scope as another node:
-        ``inner`` is one iteration's slice of a scanned ``outer`` (``scan``), or a device's
-        block of it (``shard_map``, ``xla_pmap``)."""
+        """``eqn``'s input ``index`` as a scan iteration's slice or a device's block."""
 
     def loop_exit(self, loop: Loop, carry_in: Sequence[Node], carry_out: Sequence[Node]) -> None:
         """Called after the final walk of a loop body with its carry nodes."""
@@ -266,8 +264,7 @@ class Walker:
         marker = Origin("loop", "scan", ctx.site_of(eqn), tag=(ctx.path, id(eqn)))
         body_consts = ins[:n_consts]
         carry = [n.info for n in ins[n_consts : n_consts + n_carry]]
-        # The outer aval: a key array scanned over keeps its per-iteration axis (see batched.py).
-        xs = [Node(n.aval, n.info | {marker}) for n in ins[n_consts + n_carry :]]
+        xs = [Node(n.aval, n.info | {marker}) for n in ins[n_consts + n_carry :]]  # outer avals
         for i, inner in enumerate(xs, n_consts + n_carry):
             self.rules.bind_inner(eqn, i, ins[i], inner)
         const_nodes = _consts(jaxpr, consts)
