@@ -22,8 +22,9 @@ draws from one key per iteration): a vmapped draw over per-example keys has a
 key per row, and a hash of per-row counters (``unsplit.example_keys`` ids)
 carries the rows itself, so its noise axes are rows already.
 
-Primitives the walk does not know drop both facts: the check can miss a
-meeting, never invent one.
+Primitives the walk does not know drop both facts (unless they keep the
+shape, as elementwise ones do): the check would rather miss a meeting than
+invent one.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ _SAME_RANK = frozenset(
 )
 _REDUCTIONS = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or"}
-    | {"argmax", "argmin", "reduce_precision"}
+    | {"argmax", "argmin"}
 )
 
 
@@ -202,8 +203,6 @@ def _axis_pairs(name: str, eqn: Any, in_shapes: list, k: int, out: tuple) -> lis
     if not shape or name in _DRAWS:
         return []
     p = eqn.params
-    if shape == out:
-        return [(a, a) for a in range(len(out))]
     if name == "broadcast_in_dim" and k == 0:
         return [(a, d) for a, d in enumerate(p["broadcast_dimensions"]) if shape[a] == out[d]]
     if name == "reshape" and k == 0:
@@ -226,6 +225,8 @@ def _axis_pairs(name: str, eqn: Any, in_shapes: list, k: int, out: tuple) -> lis
         lhs_free = len(in_shapes[0]) - len(contract_l) - len(batch_l)
         start = len(batch) + (0 if k == 0 else lhs_free)
         return [(a, i) for i, a in enumerate(batch)] + [(a, start + i) for i, a in enumerate(free)]
+    if shape == out and name not in _REDUCTIONS:  # elementwise (and casts, selects, hashes)
+        return [(a, a) for a in range(len(out))]
     return []
 
 
