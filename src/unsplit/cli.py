@@ -236,6 +236,7 @@ examples:
   unsplit audit train.py:make_step
   unsplit audit unsplit.audit_corpus.batched:same_key_microbatches
   unsplit audit mypkg.train:make_loss --strict --json
+  unsplit audit train.py:make_step --batch-args 1,2
 """
 
 
@@ -256,6 +257,25 @@ def _add_audit_parser(sub) -> None:
         action="store_true",
         help="print the findings as a JSON list of {kind, message, fix, file, line}",
     )
+    audit.add_argument(
+        "--batch-args",
+        metavar="I,J",
+        type=_argnums,
+        default=None,
+        help="for a (fn, args) step: which of fn's positional arguments hold the batch "
+        "(0-based, e.g. 1,2; default: those whose arrays share one leading size); "
+        "unsplit.audit_step's batch_argnums",
+    )
+
+
+def _argnums(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected argument positions separated by commas; got {text!r}. Fix: e.g. "
+            "--batch-args 1,2 for fn(params, batch, labels, key)."
+        ) from None
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -266,7 +286,7 @@ def _audit(args: argparse.Namespace) -> int:
 
     try:
         factory = audit_report.load_factory(args.target)
-        findings = audit_report.audit_factory(factory, args.target)
+        findings = audit_report.audit_factory(factory, args.target, batch_argnums=args.batch_args)
     except audit_report.FactoryError as e:
         print(f"unsplit audit: {e}", file=sys.stderr)
         return 2

@@ -243,6 +243,47 @@ def test_a_file_path_factory(tmp_path, capsys):
     assert (finding["kind"], finding["file"], finding["line"]) == ("batch_draw", str(path), 6)
 
 
+def test_batch_args_names_the_batch_when_the_guess_cannot(tmp_path, capsys):
+    path = tmp_path / "batchfirst.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import jax, jax.numpy as jnp
+
+            def make():  # the batch first and as wide as the params: the guess takes params
+                def step(x, w, key):
+                    keep = jax.random.bernoulli(key, 0.9, x.shape)
+                    return jnp.sum(jnp.where(keep, x, 0.0) @ w)
+                return step, (jnp.ones((3, 3)), jnp.ones((3, 2)), jax.random.key(0))
+            """
+        )
+    )
+    with pytest.warns(UserWarning, match="twice as large"):  # the guess (w) cannot double
+        code, out, _ = _audit(capsys, ["audit", f"{path}:make", "--json"])
+    assert code == 0 and json.loads(out) == []
+    code, out, _ = _audit(capsys, ["audit", f"{path}:make", "--json", "--batch-args", "0"])
+    assert [(f["kind"], f["line"]) for f in json.loads(out)] == [("batch_draw", 6)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([PROBLEM, "--batch-args", "5"], "names arguments that"),
+        (["unsplit.audit_corpus.per_example:rbg_key", "--batch-args", "1"], "drop --batch-args"),
+    ],
+)
+def test_batch_args_errors_exit_2_with_the_fix(capsys, argv, message):
+    code, out, err = _audit(capsys, ["audit", *argv])
+    assert code == 2 and out == "" and message in err and "Fix:" in err
+
+
+def test_batch_args_must_be_positions(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["audit", PROBLEM, "--batch-args", "x,y"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "expected argument positions" in err and "Fix:" in err
+
+
 @pytest.mark.parametrize(
     ("target", "message"),
     [

@@ -31,6 +31,8 @@ PROBLEMS: dict[str, tuple[str, str]] = {
     "device_index_key": ("per_example", "device_key"),
     "batch_level_dropout": ("batched", "batch_draw"),
     "same_key_microbatches": ("batched", "batch_draw"),
+    "constant_size_microbatches": ("batched", "batch_draw"),
+    "explicit_mesh_dropout": ("batched", "batch_draw"),
     "shard_prng_key": ("batched", "device_key"),
     "multisteps_token_mean": ("batched", "mean_of_means"),
     "scan_token_means": ("batched", "mean_of_means"),
@@ -43,4 +45,5 @@ CLEAN: tuple[str, ...] = (
     "stable_attention",
     "unsplit_step",
     "vmapped_example_keys",
+    "constant_size_example_keys",
 )

@@ -105,3 +105,46 @@ def scan_token_means():
         return total / MICROBATCHES
 
     return step, (_data.weights(), _data.regression())
+
+
+MICRO = _data.BATCH // MICROBATCHES  # a constant of the code, as a config-driven trainer has it
+
+
+def constant_size_microbatches():
+    """A key split per microbatch of a size fixed in the code (``B // K`` from constants).
+
+    A batch twice as large draws exactly the same: only where the noise meets
+    the microbatch's rows shows that an example's noise is its position's.
+    """
+
+    @jax.jit
+    def step(w, batch, key):
+        keys = jax.random.split(key, MICROBATCHES)
+
+        def body(i, carry):
+            micro = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * MICRO, MICRO), batch)
+            shape = (MICRO, _data.WIDTH)
+            keep = jax.random.bernoulli(keys[i], 0.9, shape)  # expect: constant_size_microbatches
+            loss_sum, weight = _sums(w, micro, keep)
+            return carry[0] + loss_sum, carry[1] + weight
+
+        loss_sum, weight = jax.lax.fori_loop(0, MICROBATCHES, body, (0.0, 0.0))
+        return loss_sum / weight
+
+    return step, (_data.weights(), _data.regression(), _data.key())
+
+
+def explicit_mesh_dropout():
+    """Batch-level dropout inside ``jax.shard_map`` over ``jax.make_mesh``'s Explicit axes."""
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])  # Explicit by default
+    specs = ({"x": jax.P("data"), "y": jax.P("data"), "mask": jax.P("data")}, jax.P())
+
+    def shard(w, batch, key):
+        keep = jax.random.bernoulli(key, 0.9, batch["x"].shape)  # expect: explicit_mesh_dropout
+        loss_sum, weight = _sums(w, batch, keep)
+        return jax.lax.psum(loss_sum, "data") / jax.lax.psum(weight, "data")
+
+    in_specs = (jax.P(), *specs)
+    step = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=jax.P()))
+    batch = jax.device_put(_data.regression(), jax.NamedSharding(mesh, jax.P("data")))
+    return step, (_data.weights(), batch, _data.key())

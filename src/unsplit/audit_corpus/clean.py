@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import unsplit
-from unsplit.audit_corpus import _data, per_example
+from unsplit.audit_corpus import _data, batched, per_example
 
 
 def unsplit_loss():
@@ -112,3 +112,26 @@ def vmapped_example_keys():
 
     ids = jnp.arange(_data.BATCH, dtype=jnp.uint32)
     return step, (_data.weights(), _data.regression(), _data.key(), ids)
+
+
+def constant_size_example_keys():
+    """``batched.constant_size_microbatches`` written the unsplit way: per-example keys."""
+    micro_size = _data.BATCH // batched.MICROBATCHES
+
+    @jax.jit
+    def step(w, batch, key):
+        keys = unsplit.example_keys(key, jnp.arange(_data.BATCH, dtype=jnp.uint32))
+
+        def body(i, carry):
+            micro = jax.tree.map(
+                lambda x: jax.lax.dynamic_slice_in_dim(x, i * micro_size, micro_size), batch
+            )
+            micro_keys = jax.lax.dynamic_slice_in_dim(keys, i * micro_size, micro_size)
+            x = jax.vmap(lambda k, row: unsplit.dropout(k, row, 0.1))(micro_keys, micro["x"])
+            errors = (x @ w - micro["y"]) ** 2
+            return carry[0] + jnp.sum(errors * micro["mask"]), carry[1] + jnp.sum(micro["mask"])
+
+        loss_sum, weight = jax.lax.fori_loop(0, batched.MICROBATCHES, body, (0.0, 0.0))
+        return loss_sum / weight
+
+    return step, (_data.weights(), _data.regression(), _data.key())

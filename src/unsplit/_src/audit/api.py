@@ -18,8 +18,9 @@ import numpy as np
 from unsplit._src import keys as keys_lib
 from unsplit._src.audit import trace as audit_trace
 from unsplit._src.audit.batched import check_step
-from unsplit._src.audit.finding import UNKNOWN, Finding, dedupe, finding
-from unsplit._src.audit.keys import THREEFRY_DTYPE
+from unsplit._src.audit.finding import UNKNOWN, Finding, Site, dedupe, finding
+from unsplit._src.audit.graph import Origin, Walker
+from unsplit._src.audit.keys import THREEFRY_DTYPE, KeyRules, default_impl_note
 from unsplit._src.audit.loss import LossTraceError, check_loss
 from unsplit._src.audit.state import captured_module_finding
 from unsplit._src.trees import canonical_dtype
@@ -72,9 +73,10 @@ def audit(
     _check_callable(loss_fn, "loss_fn")
     size = _batch_size(batch)
     found: list[Finding] = []
-    if keys_lib.is_typed_key(key) and str(key.dtype) != THREEFRY_DTYPE:
-        found.append(_unsafe_step_key(key))
-        key = jax.random.key(0)  # audit the rest as if the key were a threefry key
+    unsafe = keys_lib.is_typed_key(key) and str(key.dtype) != THREEFRY_DTYPE
+    unsafe_dtype = str(getattr(key, "dtype", ""))
+    if unsafe:  # audit the rest as if the key were a threefry key
+        key = jax.random.key(0, impl="threefry2x32")
     keys_lib.check_key(key)
     key = audit_trace.abstract(key)
     keys = jax.eval_shape(keys_lib.example_keys, key, jnp.arange(size, dtype=jnp.uint32))
@@ -87,12 +89,16 @@ def audit(
     except Exception as e:
         captured = captured_module_finding(e)
         if captured is not None:
+            if unsafe:
+                found.append(_unsafe_step_key(unsafe_dtype, _key_use_site(None, loss_fn)))
             return dedupe([*found, captured])
         e.add_note(
             "unsplit.audit traced loss_fn as value_and_grad calls it: jax.vmap(loss_fn, "
             "in_axes=(None, 0, 0))(params, batch, unsplit.example_keys(key, ids))."
         )
         raise
+    if unsafe:
+        found.append(_unsafe_step_key(unsafe_dtype, _key_use_site(traced, loss_fn)))
     _check_output(traced.out_shape, size, weighted=weighted, has_aux=has_aux)
     example = jax.tree.map(
         lambda x: (
@@ -119,13 +125,23 @@ def audit_step(
     means accumulated, e.g. ``optax.MultiSteps`` over a token-weighted loss),
     ``unsafe_key``; each ``fix`` names the ``unsplit`` equivalent.
 
+    ``batch_draw`` has two signals: a draw whose shape follows the batch size
+    (the step traced again with the batch twice as large), and a draw from one
+    key whose own axis meets the rows of the batch (a microbatch loop whose
+    size is a constant of the code).
+
     Args:
-        fn: the step, called as ``fn(*args)`` (jitted or not).
+        fn: the step, called as ``fn(*args)``: jitted or not, a
+            ``jax.shard_map`` over a mesh with ``Explicit`` or ``Auto`` axes
+            (inputs keep their ``NamedSharding`` s and the step is traced under
+            their mesh), or a ``jax.pmap`` (its batch, stacked per device as
+            ``(devices, B, ...)``, grows per device).
         *args: example inputs: arrays or ``jax.ShapeDtypeStruct`` s (other
             leaves, such as Python numbers, are held static).
-        batch_argnums: which arguments hold the batch; by default those whose
-            array leaves all share one leading size (the first argument, the
-            params, only if no other does).
+        batch_argnums: which arguments hold the batch (``unsplit audit
+            --batch-args``); by default those whose array leaves all share one
+            leading size (the first argument, the params, only if no other
+            does).
 
     Returns:
         The findings, in program order; ``[]`` when nothing was found.
@@ -215,11 +231,33 @@ def _shapes(out: Any) -> str:
     return str(jax.tree.map(lambda x: tuple(np.shape(x)), out))
 
 
-def _unsafe_step_key(key: Any) -> Finding:
+def _unsafe_step_key(dtype: str, site: Site) -> Finding:
     return finding(
         "unsafe_key",
-        f"the step key is a {key.dtype} key: value_and_grad refuses it, because under "
-        "jax.vmap rbg and unsafe_rbg keys draw the whole batch from the first example's key, "
-        "so an example's noise would depend on its batch.",
-        UNKNOWN,
+        f"the step key is a {dtype} key{default_impl_note()}, and loss_fn draws from it here: "
+        "value_and_grad refuses it, because under jax.vmap rbg and unsafe_rbg keys draw the "
+        "whole batch from the first example's key, so an example's noise would depend on its "
+        "batch.",
+        site,
     )
+
+
+def _key_use_site(traced: audit_trace.Traced | None, loss_fn: Callable) -> Site:
+    """The first line of the loss that draws from its key; else where the loss is defined.
+
+    The key was made outside the audit, so the line that uses it is the one to show.
+    """
+    code = getattr(loss_fn, "__code__", None)
+    defined = Site(code.co_filename, code.co_firstlineno) if code is not None else UNKNOWN
+    if traced is None:
+        return defined
+    infos = [
+        frozenset({Origin("example_key", "key")} if leaf.arg == 2 else ()) for leaf in traced.leaves
+    ]
+    rules = KeyRules()
+    walker = Walker(rules)
+    walker.run(traced.closed, infos, lambda i, value: Origin("const", "a constant"))
+    for d in rules.draws_of(resolved=False):
+        if d.site.file is not None and any(o.kind == "example_key" for o in d.key_info):
+            return d.site
+    return defined

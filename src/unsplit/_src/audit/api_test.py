@@ -204,7 +204,24 @@ def test_audit_accepts_aux_and_reports_an_rbg_step_key():
 
     assert unsplit.audit(with_aux, _W, _BATCH, _KEY, has_aux=True) == []
     (finding,) = unsplit.audit(_mean, _W, _BATCH, jax.random.key(0, impl="rbg"))
-    assert finding.kind == "unsafe_key" and finding.file is None
+    assert finding.kind == "unsafe_key"  # at the loss's line that draws from the key
+    assert (finding.file, finding.line) == (__file__, _mean.__code__.co_firstlineno + 1)
+
+
+def test_an_rbg_default_impl_is_named_with_the_line_that_draws():
+    with jax.default_prng_impl("rbg"):
+        (finding,) = unsplit.audit(_mean, _W, _BATCH, jax.random.key(0))
+        assert (finding.kind, finding.line) == ("unsafe_key", _mean.__code__.co_firstlineno + 1)
+        assert "jax_default_prng_impl is 'rbg'" in finding.message
+
+        def step(w, x, seed):
+            key = jax.random.PRNGKey(seed)
+            return jnp.sum(x @ w) * jnp.sum(jax.random.uniform(key, (3,)))
+
+        (finding,) = unsplit.audit_step(step, _W, _BATCH, 0)
+    assert (finding.kind, finding.file) == ("unsafe_key", __file__)
+    assert finding.line == step.__code__.co_firstlineno + 2
+    assert "jax_default_prng_impl is 'rbg'" in finding.message
 
 
 def test_audit_reraises_the_loss_error_with_a_note():

@@ -1,11 +1,17 @@
 """The batched-step checks: an ordinary train step, before it adopts unsplit.
 
-* ``batch_draw``: the step is traced twice, with the batch and with a batch
-  twice as large (the batch arguments are the ones whose array leaves share
-  one leading size; see :func:`unsplit._src.audit.trace.infer_batch_argnums`).
-  A draw whose drawn shape changes while its key's shape does not is one key
-  drawing noise for a whole (micro)batch. Per-example keys (``jax.vmap`` over
-  ``example_keys``) change the key's shape with the batch, so they pass.
+* ``batch_draw``, two signals. (1) The step is traced twice, with the batch
+  and with a batch twice as large (the batch arguments are ``batch_argnums``,
+  by default the ones whose array leaves share one leading size; see
+  :func:`unsplit._src.audit.trace.infer_batch_argnums`; a ``jax.pmap`` ped
+  step's batch, stacked per device, grows per device). A draw whose drawn
+  shape changes while its key's shape does not is one key drawing noise for a
+  whole (micro)batch. Per-example keys (``jax.vmap`` over ``example_keys``)
+  change the key's shape with the batch, so they pass. (2) Where the noise
+  meets the batch's rows (:mod:`unsplit._src.audit.rows`): a draw from one key
+  (per loop iteration) whose own axis is combined elementwise with an axis of
+  rows of the batch; this finds microbatch loops whose size is a constant of
+  the code, for which doubling the batch changes nothing that is drawn.
 * ``device_key``: a draw whose key depends on ``axis_index`` or on a key
   array that ``shard_map``/``pmap`` splits over devices
   (``flax.training.common_utils.shard_prng_key``), reported at that line.
@@ -33,18 +39,25 @@ from unsplit._src.audit.finding import AuditWarning, Finding, dedupe, finding
 from unsplit._src.audit.graph import Ctx, Info, Loop, Node, Origin, Walker, roots
 from unsplit._src.audit.keys import Draw, KeyRules
 from unsplit._src.audit.loss import device_key_findings, unsafe_key_findings
+from unsplit._src.audit.rows import Meeting, RowRules, draw_tag, pmap_stacked
 
 _REDUCTIONS = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
 )
 
 
-class BatchedRules(KeyRules):
-    """:class:`KeyRules` plus batch statistics, per-microbatch means and accumulations."""
+class BatchedRules(RowRules):
+    """:class:`RowRules` plus batch statistics, per-microbatch means and accumulations, and
+    which inputs a ``jax.pmap`` takes stacked per device."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, in_rows: Sequence[frozenset[int]] = ()) -> None:
+        super().__init__(in_rows)
         self.findings: list[Finding] = []
+        self.stacked: set[int] = set()  # ids of the nodes a pmap takes stacked per device
+
+    def enter_map(self, eqn: Any, ins: Sequence[Node], ctx: Ctx) -> list[Info]:
+        self.stacked |= {id(node) for i, node in enumerate(ins) if pmap_stacked(eqn, i)}
+        return super().enter_map(eqn, ins, ctx)
 
     def transfer(self, eqn: Any, ins: Sequence[Node], outs: Sequence[Node], ctx: Ctx) -> None:
         super().transfer(eqn, ins, outs, ctx)
@@ -104,13 +117,19 @@ def check_step(
         audit_trace.infer_batch_argnums(args) if batch_argnums is None else tuple(batch_argnums)
     )
     names = [f"args[{i}]" for i in range(len(args))]
-    traced = audit_trace.trace(fn, args, names, numpy_static=True)
-    rules = BatchedRules()
+    traced = audit_trace.trace(fn, args, names, numpy_static=True, keep_sharding=True)
+    in_rows = [frozenset({0} if leaf.arg in argnums else ()) for leaf in traced.leaves]
+    rules = BatchedRules(in_rows)
     walker = Walker(rules)
     outs = walker.run(traced.closed, _infos(traced.leaves, argnums), _const_origin(traced, argnums))
     draws = rules.draws_of()
     found = unsafe_key_findings(draws) + device_key_findings(draws) + rules.findings
     found += _multisteps(outs, traced.out_shape)
+    stacked = frozenset(
+        leaf.path
+        for leaf, node in zip(traced.leaves, walker.inputs, strict=True)
+        if leaf.arg in argnums and id(node) in rules.stacked
+    )
     if not argnums:
         warnings.warn(
             "unsplit.audit_step: no argument looks like the batch (array leaves sharing one "
@@ -120,39 +139,50 @@ def check_step(
             stacklevel=3,
         )
         return dedupe(found)
+    groups: dict[tuple, list[Draw]] = {}
     try:
-        resized = audit_trace.resize_batch(args, argnums, 2)
-        larger = audit_trace.trace(fn, resized, names, numpy_static=True)
+        resized = audit_trace.resize_batch(args, argnums, 2, stacked)
+        larger = audit_trace.trace(fn, resized, names, numpy_static=True, keep_sharding=True)
     except Exception as e:
         warnings.warn(
-            f"unsplit.audit_step: batch_draw was not checked: the step does not trace with "
-            f"the batch (arguments {argnums}) twice as large ({type(e).__name__}: {e}).",
+            f"unsplit.audit_step: batch_draw was checked only where noise meets the batch's "
+            f"rows: the step does not trace with the batch (arguments {argnums}) twice as "
+            f"large ({type(e).__name__}: {e}).",
             AuditWarning,
             stacklevel=3,
         )
-        return dedupe(found)
-    other = KeyRules()
-    Walker(other).run(larger.closed, _infos(larger.leaves, argnums), _const_origin(larger, argnums))
-    found += batch_draw_findings(draws, other.draws_of())
+    else:
+        other = KeyRules()
+        infos, consts = _infos(larger.leaves, argnums), _const_origin(larger, argnums)
+        Walker(other).run(larger.closed, infos, consts)
+        groups = _doubling_groups(draws, other.draws_of())
+    found += _group_findings(groups)
+    found += row_draw_findings(draws, rules.meetings, groups)
     return dedupe(found)
 
 
-def batch_draw_findings(draws: Sequence[Draw], larger: Sequence[Draw]) -> list[Finding]:
-    """Draws whose shape follows the batch size while their key's shape does not."""
+def _doubling_groups(draws: Sequence[Draw], larger: Sequence[Draw]) -> dict[tuple, list[Draw]]:
+    """The draws whose shape follows the batch size while their key's shape does not, one
+    group per key and loop situation."""
     if len(draws) != len(larger):
         warnings.warn(
-            f"unsplit.audit_step: batch_draw was not checked: the step draws {len(draws)} times "
-            f"with this batch and {len(larger)} times with a batch twice as large.",
+            f"unsplit.audit_step: batch_draw was checked only where noise meets the batch's "
+            f"rows: the step draws {len(draws)} times with this batch and {len(larger)} times "
+            "with a batch twice as large.",
             AuditWarning,
             stacklevel=4,
         )
-        return []
+        return {}
     groups: dict[tuple, list[Draw]] = {}  # one finding per key and loop situation
     for d, e in zip(draws, larger, strict=True):
         if d.shape != e.shape and d.key_shapes == e.key_shapes:
             groups.setdefault((roots(d.key_info), _same_key_in_loop(d)), []).append(d)
         elif _one_key_per_microbatch(d, e):
             groups.setdefault((roots(d.key_info), "per microbatch"), []).append(d)
+    return groups
+
+
+def _group_findings(groups: dict[tuple, list[Draw]], meetings: dict | None = None) -> list:
     out = []
     for group in groups.values():
         sites = list(dict.fromkeys(d.site for d in group))
@@ -163,8 +193,60 @@ def batch_draw_findings(draws: Sequence[Draw], larger: Sequence[Draw]) -> list[F
             if others
             else ""
         )
-        out.append(finding("batch_draw", _batch_draw_message(group[0]) + also, group[0].site))
+        first = group[0]
+        message = (
+            _batch_draw_message(first)
+            if meetings is None
+            else _row_draw_message(first, meetings[draw_tag(first.ctx, first.eqn)])
+        )
+        out.append(finding("batch_draw", message + also, first.site))
     return out
+
+
+def row_draw_findings(
+    draws: Sequence[Draw], meetings: dict[tuple, Meeting], flagged: dict[tuple, list[Draw]]
+) -> list[Finding]:
+    """Draws from one key (per iteration) whose own axis meets an axis of the batch's rows;
+    draws the doubled batch already ``flagged`` are not repeated."""
+    seen = {draw_tag(d.ctx, d.eqn) for group in flagged.values() for d in group}
+    groups: dict[tuple, list[Draw]] = {}
+    for d in draws:
+        tag = draw_tag(d.ctx, d.eqn)
+        if tag in meetings and tag not in seen and _one_key_here(d):
+            groups.setdefault((roots(d.key_info), _same_key_in_loop(d)), []).append(d)
+    return _group_findings(groups, meetings)
+
+
+def _one_key_here(d: Draw) -> bool:
+    """Whether the draw uses one key where it runs (its operands' own shapes: inside a loop
+    body, a per-example key array of the microbatch keeps its leading axis)."""
+    single = ((), (2,)) if d.key_dtype == "uint32" else ((),)
+    operands = d.eqn.invars[: len(d.key_shapes)]
+    return all(tuple(getattr(v.aval, "shape", ())) in single for v in operands)
+
+
+def _row_draw_message(d: Draw, meeting: Meeting) -> str:
+    text = (
+        f"one key draws noise of shape {d.shape}, and at {meeting.site} an axis of it (of "
+        f"length {meeting.size}) meets the rows of the batch ({meeting.rows}): an example's "
+        "noise is the row of one array at the example's position, not a function of the example"
+    )
+    if _same_key_in_loop(d):
+        return (
+            f"{text}. Inside the loop at {d.ctx.loops[-1].marker.site} the key is the same at "
+            "every iteration, so every microbatch gets the same noise."
+        )
+    if d.ctx.loops:
+        return (
+            f"{text}. The loop at {d.ctx.loops[-1].marker.site} draws each iteration's noise "
+            "from one key (split or folded per microbatch): an example's noise depends on which "
+            "microbatch it lands in and where, so it changes with the number of microbatches "
+            "(even when their size is a constant of the code). Fix: per-example keys, "
+            "unsplit.example_keys(key, ids), or unsplit.value_and_grad."
+        )
+    if d.ctx.device_maps:
+        return f"{text}. Inside shard_map/pmap each device draws for its own share."
+    return f"{text}; it changes with the batch size and with how the batch is cut."
 
 
 def _trips(d: Draw) -> int:

@@ -2,6 +2,7 @@
 every line that draws from the same key."""
 
 import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -137,3 +138,73 @@ def test_one_key_per_microbatch_is_a_batch_draw_at_its_line(fn, marker):
 def test_per_example_keys_inside_a_microbatch_loop_pass():
     args = (jnp.ones((3, 2)), jnp.ones((16, 3)), jax.random.key(0))
     assert not unsplit.audit_step(per_example_keys_per_microbatch, *args)
+
+
+# ---- the steps people run: shard_map over Explicit and Auto meshes, pmap ----
+
+
+def _noisy_shard(w, x, key):
+    keep = jax.random.bernoulli(key, 0.9, x.shape)  # SHARD_DRAW
+    dev = jax.random.fold_in(key, jax.lax.axis_index("d"))  # SHARD_DEVICE
+    noise = jax.random.normal(dev, w.shape)
+    return jax.lax.psum(jnp.sum(jnp.where(keep, x, 0.0) @ (w + noise)), "d")
+
+
+def _line(fn, marker):
+    source = inspect.getsource(fn).splitlines()
+    return fn.__code__.co_firstlineno + next(i for i, t in enumerate(source) if marker in t)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize("mesh_arg", [True, False])
+def test_shard_map_steps_are_audited_over_explicit_and_auto_meshes(axis_type, mesh_arg):
+    axis_types = (getattr(jax.sharding.AxisType, axis_type),)
+    mesh = jax.make_mesh((2,), ("d",), axis_types=axis_types, devices=jax.devices()[:2])
+    specs = {"in_specs": (jax.P(), jax.P("d"), jax.P()), "out_specs": jax.P()}
+    # Without mesh=, shard_map takes the context mesh: the audit traces under the inputs' mesh.
+    mapped = jax.shard_map(_noisy_shard, mesh=mesh, **specs) if mesh_arg else None
+    mapped = mapped or jax.shard_map(_noisy_shard, **specs)
+    x = jax.device_put(jnp.ones((8, 3)), jax.NamedSharding(mesh, jax.P("d")))
+    found = unsplit.audit_step(jax.jit(mapped), jnp.ones((3, 2)), x, KEY)
+    assert [(f.kind, f.line) for f in found] == [
+        ("device_key", _line(_noisy_shard, "SHARD_DEVICE")),
+        ("batch_draw", _line(_noisy_shard, "SHARD_DRAW")),
+    ]
+
+
+def _pmapped_loss(w, x, key):
+    keep = jax.random.bernoulli(key, 0.9, x.shape)  # PMAP_DRAW
+    return jax.lax.pmean(jnp.sum(jnp.where(keep, x, 0.0) @ w), "i")
+
+
+def _pmap(fn, in_axes):
+    with warnings.catch_warnings():  # newer JAX deprecates jax.pmap: its users are audited
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return jax.pmap(fn, axis_name="i", in_axes=in_axes)
+
+
+def test_a_pmapped_step_is_checked_per_device_and_names_its_lines():
+    # Keys split per device and passed in: the pmap is the step itself, so it has no user line;
+    # the finding is at the line that draws from the device's key.
+    step = _pmap(_pmapped_loss, (None, 0, 0))
+    keys = jax.random.split(KEY, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        found = unsplit.audit_step(step, jnp.ones((3, 2)), jnp.ones((2, 4, 3)), keys)
+    line = _line(_pmapped_loss, "PMAP_DRAW")
+    assert [(f.kind, f.file, f.line) for f in found] == [
+        ("device_key", __file__, line),
+        ("batch_draw", __file__, line),  # the batch doubled per device: (2, 8, 3), not (4, 4, 3)
+    ]
+
+
+def test_a_pmapped_step_with_per_example_keys_passes():
+    def loss(w, x, keys):
+        keep = jax.vmap(lambda k, row: jax.random.bernoulli(k, 0.9, row.shape))(keys, x)
+        return jax.lax.pmean(jnp.sum(jnp.where(keep, x, 0.0) @ w), "i")
+
+    keys = unsplit.example_keys(KEY, jnp.arange(8, dtype=jnp.uint32)).reshape(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        step = _pmap(loss, (None, 0, 0))
+        assert unsplit.audit_step(step, jnp.ones((3, 2)), jnp.ones((2, 4, 3)), keys) == []

@@ -135,6 +135,12 @@ class Rules:
         """Extra origins for each input of a device map (``shard_map``, ``xla_pmap``)."""
         return [EMPTY for _ in ins]
 
+    def start(self, consts: Sequence[Node], ins: Sequence[Node]) -> None:
+        """Called with the top jaxpr's constant and input nodes before the walk."""
+
+    def bind_inner(self, eqn: Any, index: int, outer: Node, inner: Node) -> None:
+        """``eqn``'s input ``index`` as a scan iteration's slice or a device's block."""
+
     def loop_exit(self, loop: Loop, carry_in: Sequence[Node], carry_out: Sequence[Node]) -> None:
         """Called after the final walk of a loop body with its carry nodes."""
 
@@ -176,6 +182,7 @@ class Walker:
         ]
         ins = [Node(v.aval, info) for v, info in zip(jaxpr.invars, in_infos, strict=True)]
         self.inputs = ins
+        self.rules.start(consts, ins)
         return self.walk(jaxpr, consts, ins, Ctx())
 
     def walk(self, jaxpr: Any, consts: Sequence[Node], ins: Sequence[Node], ctx: Ctx) -> list[Node]:
@@ -257,7 +264,9 @@ class Walker:
         marker = Origin("loop", "scan", ctx.site_of(eqn), tag=(ctx.path, id(eqn)))
         body_consts = ins[:n_consts]
         carry = [n.info for n in ins[n_consts : n_consts + n_carry]]
-        xs = [Node(n.aval, n.info | {marker}) for n in ins[n_consts + n_carry :]]
+        xs = [Node(n.aval, n.info | {marker}) for n in ins[n_consts + n_carry :]]  # outer avals
+        for i, inner in enumerate(xs, n_consts + n_carry):
+            self.rules.bind_inner(eqn, i, ins[i], inner)
         const_nodes = _consts(jaxpr, consts)
         loop = Loop(eqn, marker)
 
@@ -332,6 +341,8 @@ class Walker:
         jaxpr, consts = _unpack(closed)
         extra = self.rules.enter_map(eqn, ins, ctx)
         body_ins = [Node(n.aval, n.info | e) for n, e in zip(ins, extra, strict=True)]
+        for i, (outer, inner) in enumerate(zip(ins, body_ins, strict=True)):
+            self.rules.bind_inner(eqn, i, outer, inner)
         const_nodes = _consts(jaxpr, consts)
         inner = ctx.enter(eqn, device_maps=(*ctx.device_maps, eqn), top=False)
         outs = self.walk(jaxpr, const_nodes, body_ins, inner)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from unsplit._src.audit.finding import Site
@@ -147,9 +148,15 @@ class KeyRules(Rules):
             split = [any(a is not None for a in spec) for spec in specs]
         else:
             split = [a is not None for a in eqn.params.get("in_axes", ())]
+        closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        inner = getattr(getattr(closed, "jaxpr", closed), "invars", None)
         out = []
-        for node, is_split in zip(ins, split + [False] * (len(ins) - len(split)), strict=True):
-            if is_split and _keylike(node.aval):
+        for i, (node, is_split) in enumerate(
+            zip(ins, split + [False] * (len(ins) - len(split)), strict=True)
+        ):
+            # Each device gets one key; a block of several is per-example keys, split fairly.
+            block = inner[i].aval if inner is not None and name == "shard_map" else None
+            if is_split and _keylike(node.aval) and (block is None or _key_count(block) == 1):
                 label = "a key array split over devices by shard_map or pmap (one key per device)"
                 out.append(frozenset({Origin("device", label, site, tag=("map", id(eqn)))}))
             else:
@@ -161,6 +168,23 @@ class KeyRules(Rules):
         if not resolved:
             return list(self.draws)
         return [d for d in self.draws if d.hash_tag is None or d.hash_tag not in self.key_material]
+
+
+def default_impl_note() -> str:
+    """`` (jax_default_prng_impl is 'rbg' ...)`` when JAX's default key is not threefry, else ''."""
+    impl = str(jax.config.jax_default_prng_impl)
+    if impl == "threefry2x32":
+        return ""
+    return (
+        f" (jax.config's jax_default_prng_impl is {impl!r}, so jax.random.key(seed) and "
+        "PRNGKey(seed) make such keys; set it back to 'threefry2x32')"
+    )
+
+
+def _key_count(aval: Any) -> int:
+    """How many keys an array of keys holds (raw ``uint32[..., 2]`` words: two a key)."""
+    shape = tuple(getattr(aval, "shape", ()))
+    return int(np.prod(shape if is_key_aval(aval) else shape[:-1]))
 
 
 def _keylike(aval: Any) -> bool:

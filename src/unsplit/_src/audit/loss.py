@@ -46,7 +46,7 @@ from unsplit._src.audit.finding import (  # AuditError, raise_for: re-exported f
     raise_for,
 )
 from unsplit._src.audit.graph import Info, Node, Origin, Walker, roots
-from unsplit._src.audit.keys import THREEFRY_DTYPE, Draw, KeyRules
+from unsplit._src.audit.keys import THREEFRY_DTYPE, Draw, KeyRules, default_impl_note
 from unsplit._src.audit.padding import Program, padding_findings
 from unsplit._src.audit.state import Recorder, captured_module_finding, dropped_message
 
@@ -224,7 +224,8 @@ def unsafe_key_findings(draws: Sequence[Draw]) -> list[Finding]:
             out.append(
                 finding(
                     "unsafe_key",
-                    f"this draw uses a {d.key_dtype} key (rbg or unsafe_rbg): under jax.vmap such "
+                    f"this draw uses a {d.key_dtype} key (rbg or unsafe_rbg)"
+                    f"{default_impl_note()}: under jax.vmap such "
                     "keys draw the whole batch from the first example's key, so an example's "
                     "noise depends on which examples share its batch.",
                     d.site,
@@ -288,7 +289,9 @@ def device_key_findings(draws: Sequence[Draw]) -> list[Finding]:
             "from its own key, so an example's noise changes with the number of devices and "
             f"with the device that holds it{_where(group)}"
         )
-        out.append(finding("device_key", message, origin.site or group[0].site))
+        # A map that is the step itself (jax.pmap(step)) has no user line: the draw's is.
+        site = origin.site if origin.site and origin.site.file else group[0].site
+        out.append(finding("device_key", message, site))
     return out
 
 

@@ -94,8 +94,17 @@ def _import(module_name: str) -> Any:
         ) from e
 
 
-def audit_factory(factory: Callable[[], Any], name: str = "the factory") -> list[Finding]:
-    """Calls ``factory()`` and audits what it returns (see the module docs)."""
+def audit_factory(
+    factory: Callable[[], Any],
+    name: str = "the factory",
+    *,
+    batch_argnums: Sequence[int] | None = None,
+) -> list[Finding]:
+    """Calls ``factory()`` and audits what it returns (see the module docs).
+
+    ``batch_argnums`` (``--batch-args``) names the batch among a ``(fn, args)``
+    step's arguments; it is refused for a per-example loss, whose batch is fixed.
+    """
     try:
         result = factory()
     except Exception as e:
@@ -104,6 +113,19 @@ def audit_factory(factory: Callable[[], Any], name: str = "the factory") -> list
             "without arguments and return the function and its example inputs."
         ) from e
     fn, args, options = _unpack(result, name)
+    per_example = options is not None or callable(getattr(fn, "loss_fn", None))
+    if batch_argnums is not None and per_example:
+        raise FactoryError(
+            f"--batch-args {','.join(map(str, batch_argnums))} names the batch of an ordinary "
+            f"step, but {name}() returned a per-example loss (or an unsplit step), whose batch "
+            "is always its second argument. Fix: drop --batch-args."
+        )
+    if batch_argnums is not None and any(not 0 <= i < len(args) for i in batch_argnums):
+        raise FactoryError(
+            f"--batch-args {','.join(map(str, batch_argnums))} names arguments that {name}() "
+            f"did not return: fn takes {len(args)} (positions 0 to {len(args) - 1}). Fix: "
+            "name the positions of the batch among fn's arguments."
+        )
     try:
         if options is not None:
             return audit(fn, *args, **options)
@@ -112,7 +134,7 @@ def audit_factory(factory: Callable[[], Any], name: str = "the factory") -> list
             if getattr(fn, "has_aux", False):
                 per_example["has_aux"] = True
             return audit(fn.loss_fn, *args[:3], **per_example)
-        return audit_step(fn, *args)
+        return audit_step(fn, *args, batch_argnums=batch_argnums)
     except TypeError as e:
         if "unexpected keyword argument" in str(e) and options:
             raise FactoryError(

@@ -7,11 +7,18 @@ NumPy arrays, ``ShapeDtypeStruct``, tracers) are traced; every other leaf
 ``static_argnums`` would. A collective over an axis name the trace does not
 bind (``pmean(x, 'batch')`` in a per-example loss) is traced by binding that
 name with ``axis_env``, so the audit can report it instead of failing.
+
+A batched step keeps its inputs' ``NamedSharding`` s: over a mesh with
+``Explicit`` axes (``jax.make_mesh``'s default) the sharding is part of an
+array's type, and ``shard_map`` checks its ``in_specs`` against it. When the
+inputs share one mesh and no mesh is set, the step is traced under it
+(``jax.set_mesh``), as a mesh-less ``shard_map`` needs.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -53,10 +60,40 @@ def is_key(x: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def abstract(x: Any) -> jax.ShapeDtypeStruct:
-    """A ``ShapeDtypeStruct`` of an array leaf (sharding dropped: the audit traces one program)."""
+def abstract(x: Any, *, keep_sharding: bool = False) -> jax.ShapeDtypeStruct:
+    """A ``ShapeDtypeStruct`` of an array leaf.
+
+    The sharding is dropped (the audit traces one program) unless
+    ``keep_sharding`` and it is a ``NamedSharding``: over ``Explicit`` mesh
+    axes it is part of the type that ``shard_map`` checks.
+    """
     weak = bool(getattr(getattr(x, "aval", None), "weak_type", False))
-    return jax.ShapeDtypeStruct(np.shape(x), canonical_dtype(x.dtype), weak_type=weak)
+    sharding = named_sharding(x) if keep_sharding else None
+    return jax.ShapeDtypeStruct(
+        np.shape(x), canonical_dtype(x.dtype), weak_type=weak, sharding=sharding
+    )
+
+
+def named_sharding(x: Any) -> jax.sharding.NamedSharding | None:
+    """``x``'s ``NamedSharding`` (of a concrete mesh), else ``None``."""
+    try:
+        sharding = getattr(x, "sharding", None)
+    except Exception:  # a tracer of an enclosing trace has no sharding to read
+        return None
+    if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(
+        sharding.mesh, jax.sharding.Mesh
+    ):
+        return sharding
+    return None
+
+
+def _input_mesh(avals: Sequence[Any]) -> contextlib.AbstractContextManager:
+    """``jax.set_mesh`` of the one mesh the inputs are sharded over, when none is set."""
+    meshes = {s.mesh for s in map(named_sharding, avals) if s is not None}
+    if len(meshes) != 1 or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+    return set_mesh(meshes.pop())
 
 
 def trace(
@@ -65,12 +102,15 @@ def trace(
     names: Sequence[str] | None = None,
     *,
     numpy_static: bool = False,
+    keep_sharding: bool = False,
 ) -> Traced:
     """Traces ``fn(*args)``; array leaves become inputs, other leaves stay static.
 
     With ``numpy_static`` NumPy arrays stay concrete too, as they are when a
     Python-level step (one that is not itself jitted) receives them and uses
-    NumPy on them; whatever reaches JAX becomes a constant of the jaxpr.
+    NumPy on them; whatever reaches JAX becomes a constant of the jaxpr. With
+    ``keep_sharding`` the inputs keep their ``NamedSharding`` s and the trace
+    runs under their mesh (see the module docs).
 
     Raises whatever tracing ``fn`` raises, after retrying with unbound axis
     names bound (size 2).
@@ -85,7 +125,12 @@ def trace(
         return numpy_static and isinstance(leaf, np.ndarray | np.generic)
 
     dynamic = [i for i, (_, leaf) in enumerate(flat) if is_array(leaf) and not held(leaf)]
-    leaves = [Leaf(flat[i][0][0].idx, label(flat[i][0]), abstract(flat[i][1])) for i in dynamic]
+    leaves = [
+        Leaf(
+            flat[i][0][0].idx, label(flat[i][0]), abstract(flat[i][1], keep_sharding=keep_sharding)
+        )
+        for i in dynamic
+    ]
     static = [(p[0].idx, label(p), leaf) for p, leaf in flat if is_array(leaf) and held(leaf)]
 
     def traced(*values):
@@ -94,7 +139,9 @@ def trace(
             full[i] = value
         return fn(*jax.tree_util.tree_unflatten(treedef, full))
 
-    closed, out_shape = make_jaxpr(traced, [leaf.aval for leaf in leaves])
+    avals = [leaf.aval for leaf in leaves]
+    with _input_mesh(avals) if keep_sharding else contextlib.nullcontext():
+        closed, out_shape = make_jaxpr(traced, avals)
     return Traced(closed, leaves, out_shape, tuple(static))
 
 
@@ -145,27 +192,60 @@ def infer_batch_argnums(args: Sequence[Any]) -> tuple[int, ...]:
     return tuple(i for i, b in candidates if b == size)
 
 
-def resize_batch(args: Sequence[Any], argnums: Sequence[int], factor: int) -> list[Any]:
-    """``args`` with the batch arguments' leading axes times ``factor``.
+def resize_batch(
+    args: Sequence[Any],
+    argnums: Sequence[int],
+    factor: int,
+    stacked: frozenset[str] = frozenset(),
+) -> list[Any]:
+    """``args`` with the batch arguments' batch axes times ``factor``.
 
+    The batch axis is the leading one, or the second for the leaves named in
+    ``stacked`` (labels ``args[i]...`` as :func:`trace` gives them): a
+    ``jax.pmap`` ped step takes its batch stacked per device, ``(devices, B,
+    ...)``, and a larger batch is a larger batch per device, not more devices.
     NumPy leaves are repeated (they stay concrete); the other array leaves
-    become ``ShapeDtypeStruct`` s. Per-example key arguments (a key array whose
-    leading size is the batch size) are resized too.
+    become ``ShapeDtypeStruct`` s (keeping a ``NamedSharding``). Per-example
+    key arguments (a key array whose leading size is the batch size, or whose
+    leading two are a stacked leaf's) are resized too.
     """
-    sizes = set().union(*(leading_sizes(args[i]) for i in argnums)) if argnums else set()
 
-    def grow(x):
+    def axis(path):
+        return 1 if f"args[{path[0].idx}]{jax.tree_util.keystr(path[1:])}" in stacked else 0
+
+    def size(path, x):
+        return np.shape(x)[axis(path)] if np.ndim(x) > axis(path) else None
+
+    flat = jax.tree_util.tree_flatten_with_path(list(args))[0]
+    batch = [(p, x) for p, x in flat if p[0].idx in argnums and is_array(x)]
+    sizes = {size(p, x) for p, x in batch}
+    per_device = {np.shape(x)[:2] for p, x in batch if axis(p) == 1}
+
+    def grow(path, x, a=None):
+        a = axis(path) if a is None else a
         if isinstance(x, np.ndarray):
-            return np.concatenate([x] * factor, axis=0)
-        shape = np.shape(x)
-        return jax.ShapeDtypeStruct((shape[0] * factor, *shape[1:]), canonical_dtype(x.dtype))
+            return np.concatenate([x] * factor, axis=a)
+        shape = list(np.shape(x))
+        shape[a] *= factor
+        return jax.ShapeDtypeStruct(
+            tuple(shape), canonical_dtype(x.dtype), sharding=named_sharding(x)
+        )
 
     out = []
     for i, arg in enumerate(args):
         if i in argnums:
-            out.append(jax.tree.map(lambda x: grow(x) if is_array(x) else x, arg))
+            out.append(
+                jax.tree_util.tree_map_with_path(
+                    lambda p, x, i=i: (
+                        grow((jax.tree_util.SequenceKey(i), *p), x) if is_array(x) else x
+                    ),
+                    arg,
+                )
+            )
+        elif is_key(arg) and np.shape(arg)[:2] in per_device:  # (devices, B) example keys
+            out.append(grow((jax.tree_util.SequenceKey(i),), arg, 1))
         elif is_key(arg) and np.ndim(arg) and np.shape(arg)[0] in sizes:
-            out.append(grow(arg))
+            out.append(grow((jax.tree_util.SequenceKey(i),), arg))
         else:
             out.append(arg)
     return out
