@@ -19,10 +19,11 @@ from unsplit._src import keys as keys_lib
 from unsplit._src.audit import trace as audit_trace
 from unsplit._src.audit.batched import check_step
 from unsplit._src.audit.finding import UNKNOWN, Finding, Site, dedupe, finding
-from unsplit._src.audit.graph import Origin, Walker
+from unsplit._src.audit.graph import Walker
 from unsplit._src.audit.keys import THREEFRY_DTYPE, KeyRules, default_impl_note
 from unsplit._src.audit.loss import LossTraceError, check_loss
 from unsplit._src.audit.state import captured_module_finding
+from unsplit._src.audit.values import Origin
 from unsplit._src.trees import canonical_dtype
 
 

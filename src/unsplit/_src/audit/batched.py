@@ -36,10 +36,11 @@ import numpy as np
 
 from unsplit._src.audit import trace as audit_trace
 from unsplit._src.audit.finding import AuditWarning, Finding, dedupe, finding
-from unsplit._src.audit.graph import Ctx, Info, Loop, Node, Origin, Walker, roots
+from unsplit._src.audit.graph import Walker, roots
 from unsplit._src.audit.keys import Draw, KeyRules
 from unsplit._src.audit.loss import device_key_findings, unsafe_key_findings
 from unsplit._src.audit.rows import Meeting, RowRules, draw_tag, pmap_stacked
+from unsplit._src.audit.values import Ctx, Info, Loop, Node, Origin
 
 _REDUCTIONS = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}

@@ -117,11 +117,16 @@ class Finding:
         file: the user's source file, or ``None`` when no user frame is known.
         line: the line in ``file``, or ``None``.
 
+    ``where`` is ``file:line``; ``to_dict()`` gives the JSON form that
+    ``unsplit audit --json`` prints.
+
     Example:
         >>> import unsplit
         >>> f = unsplit.Finding("foreign_key", "a closure key", "use `key`", "loss.py", 3)
         >>> str(f)
         'loss.py:3: foreign_key: a closure key'
+        >>> f.to_dict()["line"]
+        3
     """
 
     kind: str

@@ -26,17 +26,8 @@ import jax
 import numpy as np
 
 from unsplit._src.audit.finding import Site
-from unsplit._src.audit.graph import (
-    COLLECTIVES,
-    Ctx,
-    Info,
-    Node,
-    Origin,
-    Rules,
-    is_key_aval,
-    union,
-    used_as_key,
-)
+from unsplit._src.audit.graph import Rules, is_key_aval, union, used_as_key
+from unsplit._src.audit.values import COLLECTIVES, Ctx, Info, Node, Origin
 
 THREEFRY_DTYPE = "key<fry>"
 # Primitives that keep an index value as it is (casts, reshapes, varying-axis casts).

@@ -45,10 +45,11 @@ from unsplit._src.audit.finding import (  # AuditError, raise_for: re-exported f
     finding,
     raise_for,
 )
-from unsplit._src.audit.graph import Info, Node, Origin, Walker, roots
+from unsplit._src.audit.graph import Walker, roots
 from unsplit._src.audit.keys import THREEFRY_DTYPE, Draw, KeyRules, default_impl_note
 from unsplit._src.audit.padding import Program, padding_findings
 from unsplit._src.audit.state import Recorder, captured_module_finding, dropped_message
+from unsplit._src.audit.values import Info, Node, Origin
 
 __all__ = ["AuditError", "audit_loss", "check_loss", "raise_for"]
 

@@ -32,8 +32,9 @@ import jax
 import numpy as np
 
 from unsplit._src.audit.finding import AuditWarning, Finding, Site, finding
-from unsplit._src.audit.graph import COLLECTIVES, DRAWS, FlatEqn, Node, Walker
+from unsplit._src.audit.graph import Walker
 from unsplit._src.audit.keys import THREEFRY_DTYPE, Draw
+from unsplit._src.audit.values import COLLECTIVES, DRAWS, FlatEqn, Node
 
 MAX_ELEMENTS = 1 << 20
 KEYS = 16  # keys the noise is evaluated with

@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from unsplit._src.audit.finding import Site
-from unsplit._src.audit.graph import Ctx, Node
 from unsplit._src.audit.keys import KeyRules
+from unsplit._src.audit.values import Ctx, Node
 
 ROWS = "rows"  # facts key: frozenset of the axes that index rows of the batch
 NOISE = "noise"  # facts key: {draw tag: frozenset of the draw's own axes}
