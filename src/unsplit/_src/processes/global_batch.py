@@ -46,7 +46,7 @@ def global_batch(
     *,
     batch_axes: str | tuple[str, ...] | None = None,
     check: str = "first",
-):
+) -> tuple[Any, jax.Array | keys_lib.Ids64]:
     """Turns this process's rows into the global batch and its global ids.
 
     Args:
