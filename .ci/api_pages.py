@@ -52,18 +52,22 @@ def listed_members(page: pathlib.Path, module: str) -> tuple[list[str], list[str
     return members, [name for name in submodules(module) if f"({name}.md)" in text]
 
 
+def shown(path: pathlib.Path) -> pathlib.Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def check_markdown() -> list[str]:
     problems = []
     for module, (source, page) in FACADES.items():
         if not page.exists():
-            problems.append(f"{module}: no API page {page.relative_to(ROOT)}")
+            problems.append(f"{module}: no API page {shown(page)}")
             continue
         names = public_names(source)
         members, linked = listed_members(page, module)
         for name in sorted(set(names) - set(members) - set(linked)):
-            problems.append(f"{page.relative_to(ROOT)}: {module}.{name} is in __all__, not listed")
+            problems.append(f"{shown(page)}: {module}.{name} is in __all__, not listed")
         for name in sorted(set(members) - set(names)):
-            problems.append(f"{page.relative_to(ROOT)}: lists {module}.{name}, not in __all__")
+            problems.append(f"{shown(page)}: lists {module}.{name}, not in __all__")
     return problems
 
 
@@ -95,8 +99,11 @@ def main(argv: list[str]) -> int:
     for problem in problems:
         print(f"api_pages: {problem}", file=sys.stderr)
     if problems:
-        print("api_pages: fix: list every name of the facade's __all__ under its page's "
-              "'::: module' members (docs/api/)", file=sys.stderr)
+        print(
+            "api_pages: fix: list every name of the facade's __all__ under its page's "
+            "'::: module' members (docs/api/)",
+            file=sys.stderr,
+        )
         return 1
     count = sum(len(public_names(source)) for source, _ in FACADES.values())
     print(f"api_pages: the {count} public names of {len(FACADES)} modules are on their pages")

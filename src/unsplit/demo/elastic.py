@@ -84,10 +84,10 @@ class ElasticConfig:
         fixed["chunk_size"] = self.effective_chunk_size()
         fixed["records"] = int(records)
         if self.bitwise:
-            import jaxlib
+            import jaxlib.version
 
             fixed["jax"] = jax.__version__
-            fixed["jaxlib"] = jaxlib.__version__
+            fixed["jaxlib"] = jaxlib.version.__version__
         return fixed
 
 

@@ -117,7 +117,7 @@ def inert_leaves(params: Any) -> list[str]:
     return [p for p in paths if p.endswith("['key']['bias']")]
 
 
-def compare(snapshots: dict, reference: dict, skip: set[int] = frozenset()):
+def compare(snapshots: dict, reference: dict, skip: frozenset[int] | set[int] = frozenset()):
     """Max |param difference| at every snapshot step (leaves in ``skip`` left out).
 
     Returns:
@@ -163,8 +163,8 @@ def run(
 
     Returns:
         ``{"config", "environment", "schedules", "contrast", "baselines",
-        "skipped", "inert_params", "elapsed_s", ...}``; ``docs/demo.md``
-        explains every field.
+        "skipped", "inert_params", "elapsed_s", ...}``; the demo guide explains every
+        field: https://unsplit.readthedocs.io/en/latest/demo/#the-json
     """
     config.check()
     trainer = Trainer(config, say, bar, started=time.perf_counter())
@@ -353,7 +353,7 @@ def train_elastic(trainer: Trainer, plan: Plan, timeout_s: float) -> dict | None
 
 
 def results(trainer: Trainer, plan: Plan, elastic_info: dict | None) -> dict[str, Any]:
-    """The JSON-ready result of every run (see ``docs/demo.md``)."""
+    """The JSON-ready result of every run (the demo guide: https://unsplit.readthedocs.io/en/latest/demo/#the-json)."""
     runs = trainer.runs
     inert = inert_leaves(trainer.params)
     flat = jax.tree_util.tree_flatten_with_path(trainer.params)[0]

@@ -105,7 +105,8 @@ def run_local_processes(
             killed when it is raised.
     """
     if callable(target):  # a module-level function: its importable name
-        module, name = getattr(target, "__module__", None), target.__qualname__
+        module = getattr(target, "__module__", None)
+        name = getattr(target, "__qualname__", repr(target))
         if module in (None, "__main__") or "<locals>" in name:
             raise ValueError(
                 f"target {name!r} cannot be imported by the workers (defined in {module!r}); "
