@@ -1,6 +1,6 @@
 """Where the documentation lives: messages and docstrings name a page by title and address.
 
-The site is built from ``docs/`` (``./dev docs``); a page ``docs/bitwise.md`` is served at
+The site is built from the ``docs`` folder (``./dev docs``); its ``bitwise.md`` is served at
 ``DOCS + "bitwise/"`` and a section at ``#its-heading-slug``. Errors call :func:`doc_ref`;
 docstrings, which cannot call, write the address out (``links_test.py`` checks that every
 page and section named anywhere in ``src/`` exists).

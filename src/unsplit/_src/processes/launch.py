@@ -68,7 +68,13 @@ class LaunchError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a ``jax.distributed`` coordinator)."""
+    """A TCP port on 127.0.0.1 that is free now (for a ``jax.distributed`` coordinator).
+
+    Example:
+        >>> address = f"127.0.0.1:{free_port()}"  # coordinator_address=address
+        >>> 0 < int(address.rsplit(":", 1)[1]) < 65536
+        True
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
