@@ -6,6 +6,7 @@ in a subprocess that blocks the extras' libraries (Flax, Equinox, grain, orbax,
 matplotlib) from being imported, so both places test the core without them.
 """
 
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -104,6 +105,17 @@ def test_the_core_api_runs_without_any_extra():
     done = run_core_program(block_extras=extras_installed())
     assert done.returncode == 0, done.stdout + done.stderr
     assert "core ok" in done.stdout
+
+
+@pytest.mark.skipif(
+    not os.environ.get("UNSPLIT_EXPECT_WHEEL"), reason="./dev test-core: the installed wheel"
+)
+def test_the_wheel_holds_the_library_alone_with_its_type_hints():
+    files = [str(f) for f in importlib.metadata.files("unsplit") or ()]
+    assert "unsplit/py.typed" in files
+    assert "unsplit/_src/value_and_grad.py" in files
+    assert not [f for f in files if f.endswith("_test.py")], "tests are not for the wheel"
+    assert importlib.metadata.version("unsplit") == __import__("unsplit").__version__
 
 
 @pytest.mark.skipif(not extras_installed(), reason="the extras are not installed (core venv)")

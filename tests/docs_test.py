@@ -1,6 +1,7 @@
 """The README's quickstart and the docs' code blocks run as written."""
 
 import importlib
+import importlib.util
 import os
 import pathlib
 import re
@@ -48,3 +49,25 @@ def test_the_testing_docs_example_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", path)  # the workers import it by name too
     example = importlib.import_module("multiprocess_doc_example")
     example.test_two_processes_compute_the_one_device_step()
+
+
+def test_every_public_name_is_listed_on_its_api_page():
+    """docs/api/*.md list each facade's __all__ (.ci/api_pages.py; ./dev docs checks the site)."""
+    spec = importlib.util.spec_from_file_location("api_pages", ROOT / ".ci" / "api_pages.py")
+    api_pages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(api_pages)
+    assert api_pages.check_markdown() == []
+    assert "bitwise_cost" in api_pages.public_names(ROOT / "src/unsplit/testing/__init__.py")
+
+
+def test_the_api_page_check_finds_a_missing_name(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("api_pages", ROOT / ".ci" / "api_pages.py")
+    api_pages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(api_pages)
+    page = tmp_path / "linen.md"
+    page.write_text((ROOT / "docs/api/linen.md").read_text().replace("        - Dropout\n", ""))
+    source = ROOT / "src/unsplit/linen.py"
+    monkeypatch.setattr(api_pages, "FACADES", {"unsplit.linen": (source, page)})
+    assert api_pages.check_markdown() == [
+        f"{page}: unsplit.linen.Dropout is in __all__, not listed"
+    ]

@@ -3,7 +3,8 @@
 ``Checkpointer(directory, settings={...})`` saves the training state, the
 global step (the data position of :func:`unsplit.data.global_steps`) and the
 run's invariance settings; ``restore(like=state)`` reads the state onto this
-run's mesh and processes after checking the settings. See docs/elastic.md.
+run's mesh and processes after checking the settings. See the Elastic runs guide:
+https://unsplit.readthedocs.io/en/latest/elastic/
 """
 
 from unsplit._src.extras import require

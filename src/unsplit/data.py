@@ -3,7 +3,8 @@
 ``global_steps(dataset, global_batch=B, seed=S, mesh=mesh)`` defines the
 records of every global step from ``(seed, epoch, step)`` alone and gives each
 process only its own rows of each step, with their record indices as global
-ids. The data position is the step number. See docs/elastic.md.
+ids. The data position is the step number. See the Elastic runs guide:
+https://unsplit.readthedocs.io/en/latest/elastic/
 
 Example:
     >>> import numpy as np, unsplit

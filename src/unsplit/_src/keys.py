@@ -56,6 +56,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.core  # jax.core.Tracer: imported, so type checkers see the module
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import random as jex_random
@@ -223,7 +224,7 @@ def example_keys(key: jax.Array, ids: Any) -> jax.Array:
 def is_typed_key(key: Any) -> bool:
     """True for a typed PRNG key array (``jax.random.key``)."""
     dtype = getattr(key, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def check_key(key: Any, what: str = "key") -> None:
@@ -231,7 +232,7 @@ def check_key(key: Any, what: str = "key") -> None:
     _key_words(key, what, data=False)
 
 
-def _key_words(key: Any, what: str = "key", data: bool = True) -> tuple[jax.Array, Any]:
+def _key_words(key: Any, what: str = "key", data: bool = True) -> tuple[Any, Any]:
     """Returns (uint32[2] key data, impl or None for a legacy key), validated."""
     if is_typed_key(key):
         impl = jax.random.key_impl(key)
@@ -252,11 +253,13 @@ def _key_words(key: Any, what: str = "key", data: bool = True) -> tuple[jax.Arra
         return (jax.random.key_data(key) if data else None), impl
     dtype = getattr(key, "dtype", None)
     shape = getattr(key, "shape", None)
-    if dtype == jnp.uint32 and tuple(shape) == (2,):
-        if jax.config.jax_default_prng_impl != _THREEFRY:
+    if dtype == jnp.uint32 and shape is not None and tuple(shape) == (2,):
+        config: Any = jax.config  # its flags are attributes the type stubs do not list
+        default_impl = config.jax_default_prng_impl
+        if default_impl != _THREEFRY:
             raise TypeError(
                 f"{what} is a legacy uint32[2] key, which jax reads with the default PRNG "
-                f"implementation {jax.config.jax_default_prng_impl!r}, not {_THREEFRY!r}. "
+                f"implementation {default_impl!r}, not {_THREEFRY!r}. "
                 "Fix: pass a typed key made by jax.random.key(seed, impl='threefry2x32')."
             )
         return (jnp.asarray(key) if data else None), None

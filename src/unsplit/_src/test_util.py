@@ -41,7 +41,7 @@ def batch_level_loss(model: tf.Transformer):
     flax_model = tf.with_flax_dropout(model)  # the usual way: Flax's own dropout layers
 
     def loss(params, batch, key):
-        logits = flax_model.apply({"params": params}, batch["inputs"], rngs={"dropout": key})
+        logits: Any = flax_model.apply({"params": params}, batch["inputs"], rngs={"dropout": key})
         logp = jax.nn.log_softmax(logits.astype(jnp.float32))
         nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
         return jnp.sum(nll * batch["mask"]), jnp.sum(batch["mask"])
@@ -118,7 +118,7 @@ def train(
         for s in range(steps):
             start = (s * batch_size) % 256
             rows_now = jax.tree.map(lambda x, s=start: x[s : s + batch_size], pool)
-            if jax.process_count() > 1:
+            if jax.process_count() > 1 and mesh is not None:
                 mine = jax.tree.map(lambda x: x[jax.process_index() * rows :][:rows], rows_now)
                 batch, _ = global_batch(mine, mesh)
             else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,7 +26,7 @@ def unsplit_loss():
 
     def loss_fn(params, example, key):
         k1, k2 = jax.random.split(key)
-        h = model.apply(params, unsplit.dropout(k1, example["x"], 0.1), rngs={"dropout": k2})
+        h: Any = model.apply(params, unsplit.dropout(k1, example["x"], 0.1), rngs={"dropout": k2})
         return jnp.sum(h**2 * example["mask"][:, None]), jnp.sum(example["mask"])
 
     return loss_fn, (params, _data.sequences(), _data.key()), {"weighted": True}
@@ -67,7 +69,7 @@ def per_coordinate_attention(query, key, value, bias=None, mask=None, *, dropout
         rows = jnp.arange(heads)[:, None] * 2**16 + jnp.arange(queries)[None, :]
 
         def row(index):
-            rng = jax.random.fold_in(dropout_rng, index)
+            rng = jax.random.fold_in(dropout_rng, index)  # pyright: ignore[reportArgumentType]  # set: not deterministic
             return jax.random.bernoulli(rng, 1.0 - dropout_rate, (keys,))
 
         keep = jax.vmap(jax.vmap(row))(rows)

@@ -6,6 +6,8 @@ the audit reports carries ``# expect: <case>``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -51,7 +53,7 @@ def linen_captured_rngs():
     params = _data.abstract_init(model)
 
     def loss_fn(params, example, key):
-        out = model.apply(params, example["x"], rngs={"dropout": NOISE_KEY})
+        out: Any = model.apply(params, example["x"], rngs={"dropout": NOISE_KEY})
         return jnp.sum(out**2 * example["mask"][:, None])
 
     return loss_fn, (params, _data.sequences(), _data.key()), {}
@@ -138,7 +140,7 @@ def rbg_key():
 
 
 class _Attention(nn.Module):
-    attention_fn: object = nn.dot_product_attention
+    attention_fn: Any = nn.dot_product_attention
 
     @nn.compact
     def __call__(self, x):
@@ -153,7 +155,7 @@ def attention_loss(attention_fn=nn.dot_product_attention):
     params = _data.abstract_init(model)
 
     def loss_fn(params, example, key):
-        out = model.apply(params, example["x"], rngs={"dropout": key})
+        out: Any = model.apply(params, example["x"], rngs={"dropout": key})
         return jnp.sum(out**2 * example["mask"][:, None]), jnp.sum(example["mask"])
 
     return loss_fn, (params, _data.sequences(), _data.key()), {"weighted": True}

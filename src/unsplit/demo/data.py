@@ -127,7 +127,8 @@ class Dataset:
 
     def step(self, step: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """``(rows, record ids)`` of global step ``step`` (this process's rows)."""
-        return self.steps[int(step)]
+        rows, ids = self.steps[int(step)]
+        return rows, ids
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """The rows of ``step``: ``{"inputs", "targets": int32[B, L], "mask": float32[B, L]}``."""

@@ -19,7 +19,7 @@ class Progress:
         self.step_s, self.compile_s = _GUESS_STEP_S, _GUESS_COMPILE_S
         self.task = None if bar is None else bar.add_task("training", total=1.0)
 
-    def plan(self, remaining: list[tuple[float, float]]) -> float:
+    def plan(self, remaining: list[tuple[float, float, float]]) -> float:
         """Sets the total from the runs left, as (step cost, compiles, fixed s); returns seconds left."""
         left = sum(c * self.compile_s + f + self.steps * s * self.step_s for s, c, f in remaining)
         self.total = self.done + left

@@ -19,6 +19,7 @@ import signal
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -166,8 +167,8 @@ def worker(
                 f.write(f"{done} {float(np.asarray(loss.addressable_data(0)))!r}\n")
             if done in snap_at:
                 leaves = elastic.host_params(params).values()
-                np.savez(os.path.join(folder, f"snapshot{done}.npz"),
-                         **{f"l{i}": x for i, x in enumerate(leaves)})  # fmt: skip
+                arrays: dict[str, Any] = {f"l{i}": x for i, x in enumerate(leaves)}
+                np.savez(os.path.join(folder, f"snapshot{done}.npz"), **arrays)
             _write_int(os.path.join(folder, "progress"), done)
         if done == kill_after and lead:
             ckpt.wait()

@@ -2,7 +2,7 @@
 
 :func:`compare` measures how far two runs' parameters are apart at every
 snapshot; the ``*_row`` functions turn runs into the rows that
-:mod:`~unsplit.demo.report` prints and plots (see ``docs/demo.md``).
+:mod:`~unsplit.demo.report` prints and plots (the demo guide: https://unsplit.readthedocs.io/en/latest/demo/).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def inert_leaves(params: Any) -> list[str]:
     return [p for p in paths if p.endswith("['key']['bias']")]
 
 
-def compare(snapshots: dict, reference: dict, skip: set[int] = frozenset()):
+def compare(snapshots: dict, reference: dict, skip: frozenset[int] | set[int] = frozenset()):
     """Max |param difference| at every snapshot step (leaves in ``skip`` left out).
 
     Returns:

@@ -310,7 +310,7 @@ def train_elastic(trainer: Trainer, plan: Plan, timeout_s: float) -> dict | None
 
 
 def results(trainer: Trainer, plan: Plan, elastic_info: dict | None) -> dict[str, Any]:
-    """The JSON-ready result of every run (see ``docs/demo.md``)."""
+    """The JSON-ready result of every run (the demo guide: https://unsplit.readthedocs.io/en/latest/demo/#the-json)."""
     runs = trainer.runs
     inert = rows.inert_leaves(trainer.params)
     flat = jax.tree_util.tree_flatten_with_path(trainer.params)[0]

@@ -38,7 +38,7 @@ from unsplit.demo import data as demo_data
 from unsplit.demo.config import DemoConfig
 
 #: ``update(params, opt_state, (batch, ids), key) -> (params, opt_state, loss)``.
-Update = Callable[[Any, Any, tuple, jax.Array], tuple[Any, Any, jax.Array]]
+Update = Callable[[Any, Any, tuple, jax.Array], tuple[Any, Any, Any]]  # (params, state, loss)
 
 
 @dataclasses.dataclass

@@ -19,7 +19,8 @@ Each process runs ``python -m unsplit.testing --target MOD:FN --process-id I
 --num-processes N --port P --kwargs JSON --out FILE`` (the worker entry). A
 worker whose function raises exits at once instead of waiting for its peers in
 ``jax.distributed``'s shutdown barrier, and its heartbeat timeout is 10 s, so
-a dead peer also ends the others without the launcher. See docs/testing.md for
+a dead peer also ends the others without the launcher. See the Testing on several
+processes guide (https://unsplit.readthedocs.io/en/latest/testing/) for
 a test of your own step and for the ``jax.distributed.initialize`` settings
 that end every process when one fails.
 

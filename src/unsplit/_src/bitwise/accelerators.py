@@ -6,7 +6,7 @@ some reductions): run to run and process to process, the same program can give
 other bits unless every process runs with ``--xla_gpu_deterministic_ops=true``
 and either ``--xla_gpu_autotune_level=0`` or one shared autotune cache. A
 bitwise step on a GPU backend whose ``XLA_FLAGS`` lack the first flag warns
-once (docs/bitwise.md, "Accelerators").
+once (the Bitwise mode guide, https://unsplit.readthedocs.io/en/latest/bitwise/#accelerators-gpu-tpu).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
+
+from unsplit._src import links
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
@@ -48,6 +50,6 @@ def warn_once_without_gpu_flags(devices: Iterable) -> None:
         "algorithms), so the bits can differ run to run and between processes. Fix: start "
         "every process with XLA_FLAGS='--xla_gpu_deterministic_ops=true "
         "--xla_gpu_autotune_level=0' (or one shared autotune cache), set before jax is "
-        "imported; see docs/bitwise.md, Accelerators.",
+        f"imported; see {links.doc_ref('bitwise', 'accelerators-gpu-tpu')}.",
         stacklevel=4,
     )

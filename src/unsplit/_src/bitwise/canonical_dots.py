@@ -6,9 +6,10 @@ which runs the dots that the XNNPACK/YNNPACK library path does not take (the
 weight-gradient dots, whose LHS contracts dimension 0), splits a dot's
 contraction by ``T`` at run time: the same compiled program gives other bits in
 a process with another ``T`` -- e.g. a one-device step in a process started with
-8 simulated devices and in a process with 1 (docs/bitwise.md has the measurement).
+8 simulated devices and in a process with 1 (the Bitwise mode guide has the measurement:
+https://unsplit.readthedocs.io/en/latest/bitwise/).
 
-Two things together make the bits independent of ``T`` (``docs/bitwise.md``;
+Two things together make the bits independent of ``T`` (the same guide;
 tested with ``T`` = 1 and 16 in fresh processes):
 
 1. :func:`canonicalize` rewrites every ``dot_general`` of the (already
@@ -87,7 +88,7 @@ def _canonical_dot(lhs, rhs, *, dimension_numbers, **params):
 
 def _retrace(jaxpr: core.Jaxpr, consts) -> tuple[core.Jaxpr, list[Any]]:
     """``jaxpr`` (with ``consts``) traced again through :func:`_eval`: the same types."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]  # pyright: ignore[reportAttributeAccessIssue]  # invars are ShapedArrays
     closed = jax.make_jaxpr(lambda *a: _eval(jaxpr, consts, *a))(*avals)
     return closed.jaxpr, list(closed.consts)
 
@@ -120,7 +121,7 @@ def _eval(jaxpr: core.Jaxpr, consts, *args) -> list[Any]:
             if eqn.primitive is primitives.dot_general_p:
                 ans = _canonical_dot(*invals, **eqn.params)
             elif name in _INLINED:  # post-AD: the primal computation, nothing differentiates it
-                body = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+                body: Any = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
                 ans = _eval(body.jaxpr, body.consts, *invals)
             elif name == "shard_map":
                 ans = _shard_map(eqn.params, invals)
@@ -146,7 +147,7 @@ def _shard_map(params, invals) -> list[Any]:
         axis_names=set(params.get("manual_axes", params.get("newly_manual_axes", ()))),
         check_vma=params["check_vma"],
     )
-    return mapped(*invals)
+    return list(mapped(*invals))
 
 
 # An HLO instruction's name and array shape (`%x = f32[8,16]{1,0} op(...)`).

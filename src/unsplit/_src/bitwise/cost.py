@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from unsplit._src import links
 from unsplit._src.bitwise import reduce, traffic
 from unsplit._src.bitwise.step import BitwiseStep
 
@@ -92,7 +93,8 @@ def bitwise_cost(
         raise NotImplementedError(
             "bitwise_cost covers per-example losses; a batch_loss step runs its passes' own "
             "programs (features, batch loss, pullback), which it does not account for yet. "
-            "Fix: measure the process's peak memory instead (see benchmarks/coupled_bench.py)."
+            "Fix: measure the process's peak memory instead (as the Benchmarks guide does, "
+            f"{links.doc_page('benchmarks', 'losses-that-couple-examples-batch_loss')})."
         )
     grouped, _ = step._group(batch, ids)
     state, placed = engine.prepare(params, grouped, key)

@@ -69,9 +69,7 @@ class FlatPlan:
         """The flat vectors (one per storage dtype)."""
         parts: list[list[jax.Array]] = [[] for _ in self.vectors]
         for a, dtype, (v, _) in zip(arrays, self.dtypes, self.slots, strict=True):
-            data = (
-                jax.random.key_data(a) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else a
-            )
+            data = jax.random.key_data(a) if jnp.issubdtype(dtype, jax.dtypes.prng_key) else a
             parts[v].append(jnp.ravel(data).astype(self.vectors[v]))
         return [
             jnp.concatenate(p) if p else jnp.zeros((0,), d)
@@ -96,6 +94,6 @@ class FlatPlan:
 
 def _storage(dtype: Any) -> tuple[Any, int]:
     """The flat vector dtype an array of ``dtype`` is stored in, and words per element."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return jnp.dtype(jnp.uint32), 2
     return jnp.dtype(dtype), 1

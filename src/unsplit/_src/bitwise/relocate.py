@@ -2,7 +2,7 @@
 
 Every data-parallel group of a bitwise step runs the *same* chunk program, and
 its bits are fixed only if each group runs that very program compiled for one
-device (``docs/bitwise.md``). ``jax.jit`` compiles it again for every device
+device (the Bitwise mode guide, https://unsplit.readthedocs.io/en/latest/bitwise/). ``jax.jit`` compiles it again for every device
 (the device is part of its compile key), so a first call on 8 devices paid for
 8 compiles. :func:`relocate` instead takes the program compiled for one device
 and loads its executable onto another device (PJRT's
@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import backend as jax_backend
 
@@ -47,7 +48,7 @@ class Relocated:
     def __init__(
         self,
         compiled: jax.stages.Compiled,
-        device: jax.Device | None = None,
+        device: Any = None,  # a jax.Device
         options: Any = None,
         *,
         mesh: jax.sharding.Mesh | None = None,
@@ -55,6 +56,8 @@ class Relocated:
         # One device (``device``), or a group of devices (``mesh``: the other group's mesh,
         # its devices in the order of the compiled program's partitions).
         self.compiled = compiled
+        if mesh is None and device is None:
+            raise ValueError("Relocated needs a device or a mesh; got neither.")
         self.devices = list(mesh.devices.flat) if mesh is not None else [device]
         self.device = self.devices[0]
         compile_options = jax_backend.get_compile_options(
@@ -63,8 +66,9 @@ class Relocated:
             device_assignment=np.array([[d.id for d in self.devices]]),
             env_options_overrides=options,
         )
+        runtime: Any = compiled.runtime_executable()  # always set on a compiled program
         self.executable = self.device.client.deserialize_executable(
-            compiled.runtime_executable().serialize(),
+            runtime.serialize(),
             executable_devices=self.devices,
             compile_options=compile_options,
         )
@@ -96,16 +100,16 @@ class Relocated:
         return jax.tree.unflatten(self.out_tree, arrays)
 
     def as_text(self) -> str:
-        return self.compiled.as_text()
+        return self.compiled.as_text() or ""
 
     def memory_analysis(self) -> Any:
         return self.compiled.memory_analysis()
 
 
-def _buffer(x: Any, device: jax.Device) -> jax.Array:
+def _buffer(x: Any, device: Any) -> jax.Array:
     """An argument as the executable takes it: an array on ``device``; a key as its data."""
     if not isinstance(x, jax.Array):
         x = jax.device_put(x, device)
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     return x

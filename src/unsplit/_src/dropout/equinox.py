@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
+import jax.core  # jax.core.Tracer: imported, so type checkers see the module
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -50,6 +51,12 @@ class Dropout(eqx.nn.Dropout):
         >>> dropout(jnp.ones(2), inference=True)
         Array([1., 1.], dtype=float32)
     """
+
+    if TYPE_CHECKING:  # Equinox's own __init__ (type checkers would derive one from the fields)
+
+        def __init__(
+            self, p: float = 0.5, inference: bool = False, *, deterministic: bool | None = None
+        ) -> None: ...
 
     @jax.named_scope("unsplit.equinox.Dropout")
     def __call__(

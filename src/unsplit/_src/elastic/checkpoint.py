@@ -210,11 +210,11 @@ def run_settings(fixed: Mapping[str, Any], *, bitwise: bool) -> dict[str, Any]:
         >>> sorted(unsplit.checkpoint.run_settings({"seed": 0}, bitwise=True))
         ['jax', 'jaxlib', 'seed']
     """
-    import jaxlib
+    import jaxlib.version
 
     out = dict(fixed)
     if bitwise:
-        out["jax"], out["jaxlib"] = jax.__version__, jaxlib.__version__
+        out["jax"], out["jaxlib"] = jax.__version__, jaxlib.version.__version__
     return out
 
 

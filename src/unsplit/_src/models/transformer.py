@@ -116,7 +116,8 @@ def token_loss(model: Transformer):
     """
 
     def loss_fn(params, example, key):
-        logits = model.apply({"params": params}, example["inputs"], rngs={"dropout": key})
+        # apply's annotation includes the (out, state) pair of mutable=...; not asked for here.
+        logits: Any = model.apply({"params": params}, example["inputs"], rngs={"dropout": key})
         logp = jax.nn.log_softmax(logits.astype(jnp.float32))
         nll = -jnp.take_along_axis(logp, example["targets"][:, None], axis=-1)[:, 0]
         mask = example["mask"].astype(jnp.float32)

@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jaxlib
+import jaxlib.version
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -251,7 +251,7 @@ def _host_words(x: Any) -> np.ndarray | None:
     if arr.dtype == np.bool_:
         return arr.astype(np.uint32).reshape(-1)
     if np.issubdtype(arr.dtype, np.complexfloating):
-        arr = np.ascontiguousarray(np.stack([arr.real, arr.imag]))
+        arr = np.ascontiguousarray(np.stack([np.real(arr), np.imag(arr)]))
     unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}.get(arr.dtype.itemsize)
     if unsigned is None:  # e.g. np.longdouble: no JAX counterpart
         return None
@@ -265,7 +265,9 @@ _BITS_NEUTRAL_FLAGS = ("--xla_force_host_platform_device_count", "--xla_dump")
 
 
 def bits_settings() -> dict[str, str]:
-    """This process's settings that a bitwise step's bits depend on (docs/bitwise.md).
+    """This process's settings that a bitwise step's bits depend on.
+
+    The Bitwise mode guide lists them: https://unsplit.readthedocs.io/en/latest/bitwise/#process-settings-what-must-match
 
     Processes that must give the same bits -- those of one multi-process job, or
     a run and the one-device run it is compared with -- need equal values:
@@ -285,7 +287,7 @@ def bits_settings() -> dict[str, str]:
     device = jax.local_devices()[0]
     return {
         "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
+        "jaxlib": jaxlib.version.__version__,
         "backend": device.platform,
         "device kind": device.device_kind,
         "xla flags": " ".join(sorted(flags)),

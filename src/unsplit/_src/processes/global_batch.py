@@ -46,7 +46,7 @@ def global_batch(
     *,
     batch_axes: str | tuple[str, ...] | None = None,
     check: str = "first",
-):
+) -> tuple[Any, jax.Array | keys_lib.Ids64]:
     """Turns this process's rows into the global batch and its global ids.
 
     Args:
@@ -218,5 +218,6 @@ def _checked_ids(local_ids: Any, rows: int) -> np.ndarray:
 def local_positions(sharding: NamedSharding, global_rows: int) -> np.ndarray:
     """Global row positions of this process's rows, in the order they are laid out."""
     index_map = sharding.addressable_devices_indices_map((global_rows,))
-    starts = sorted({(s[0].start or 0, s[0].stop or global_rows) for s in index_map.values()})
+    slices = [s[0] for s in index_map.values() if s is not None]  # None: the whole array
+    starts = sorted({(s.start or 0, s.stop or global_rows) for s in slices})
     return np.concatenate([np.arange(a, b, dtype=np.uint32) for a, b in starts])

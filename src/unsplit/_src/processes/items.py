@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from unsplit._src import keys as keys_lib
+from unsplit._src import links
 from unsplit._src.processes import fingerprint
 
 _SMALL = 64  # arrays up to this many elements are shown by value in messages
@@ -147,7 +148,7 @@ STEP_FIXES = {
     "('data',)) everywhere",
     "step key": KEY_FIX,
     "process settings": "run every process with the same JAX and jaxlib, backend, accelerator "
-    "model and XLA_FLAGS (docs/bitwise.md, Process settings: what must match)",
+    f"model and XLA_FLAGS ({links.doc_ref('bitwise', 'process-settings-what-must-match')})",
     "params structure": _SAME_MODEL,
     "params shapes and dtypes": _SAME_MODEL,
     "params shardings": "place the params with the same shardings on every process",

@@ -68,7 +68,13 @@ class LaunchError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a ``jax.distributed`` coordinator)."""
+    """A TCP port on 127.0.0.1 that is free now (for a ``jax.distributed`` coordinator).
+
+    Example:
+        >>> address = f"127.0.0.1:{free_port()}"  # coordinator_address=address
+        >>> 0 < int(address.rsplit(":", 1)[1]) < 65536
+        True
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -105,7 +111,8 @@ def run_local_processes(
             killed when it is raised.
     """
     if callable(target):  # a module-level function: its importable name
-        module, name = getattr(target, "__module__", None), target.__qualname__
+        module = getattr(target, "__module__", None)
+        name = getattr(target, "__qualname__", repr(target))
         if module in (None, "__main__") or "<locals>" in name:
             raise ValueError(
                 f"target {name!r} cannot be imported by the workers (defined in {module!r}); "
