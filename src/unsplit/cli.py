@@ -78,6 +78,9 @@ def build_parser(command: str | None = "demo") -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument(
+        "--version", action="version", version=f"unsplit {_version()}", help="print the version"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo_parser(sub, with_options=command == "demo")
     _add_audit_parser(sub)
@@ -309,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "audit":
         return _audit(args)
     return 0
+
+
+def _version() -> str:
+    from unsplit import __version__
+
+    return __version__
 
 
 def _command(argv: list[str]) -> str | None:

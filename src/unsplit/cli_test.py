@@ -402,3 +402,10 @@ def test_only_the_demo_command_imports_the_demo():
         "assert 'unsplit.demo.config' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"unsplit {unsplit.__version__}"
