@@ -29,6 +29,8 @@ SCHEDULES = [
     "2 devices x 4 microbatches",
     "2 processes x 2 devices x 2 microbatches",
 ]
+#: Default mode's rows vs its reference after the quick demo's 16 Adam steps (see the test).
+DEFAULT_DRIFT_BOUND = 1e-3
 ISSUE_KEYS = {
     "name",
     "devices",
@@ -111,9 +113,14 @@ def test_quick_demo_end_to_end(tmp_path):
     assert e["losses"] == rows[("reference", True)]["losses"]
     assert "elastic: SIGKILLed after step 9, resumed from the checkpoint of step 8" in out
 
-    # Default mode: the same function, float rounding apart.
+    # Default mode: the same function, float rounding apart. Measured on the quick demo
+    # (seeds 0-7, 8 devices / 1 x 8 / 2 x 4 vs the reference): 1.2e-7 to 3.3e-7 on one
+    # machine, but 1.0034e-4 at seed 0 on another: over 16 Adam steps a last-bit difference
+    # can flip a discrete event (docs/rule.md, "Float rounding across schedules"), in a
+    # plain jitted step just as much. The bound sits 10x above the largest drift seen and
+    # 10x below what the contrast rows must exceed (another function: >= 1e-2).
     default = [rows[(name, False)]["max_abs_param_diff"] for name in SCHEDULES[1:]]
-    assert max(default) < 1e-4, default
+    assert max(default) < DEFAULT_DRIFT_BOUND, default
 
     # The usual way: something else is computed; far beyond rounding.
     assert {c["scheme"] for c in doc["contrast"]} == {
@@ -123,8 +130,7 @@ def test_quick_demo_end_to_end(tmp_path):
     }
     for c in doc["contrast"]:
         assert not c["bit_identical"], c["name"]
-        assert c["max_abs_param_diff"] > 1e-3, c
-        assert c["max_abs_param_diff"] > 100 * max(default), c
+        assert c["max_abs_param_diff"] > 10 * DEFAULT_DRIFT_BOUND, c
 
 
 def test_inert_leaves_are_the_key_biases_and_compare_skips_them():
