@@ -310,7 +310,7 @@ def main() -> None:
     seeds = range(2 if args.quick else args.seeds)
     header, lines = table(measure(seeds, 2 if args.quick else args.steps))
     title = "max per-array relative L2 of the final params vs the same kind on one device"
-    common.print_table(title, header, lines)
+    common.print_table(title, header, lines, width=200)
     if common.should_write(args):
         common.write_table("rule.md", "trajectory", common.markdown_table(header, lines))
 
