@@ -23,6 +23,8 @@ SCHEDULES = [
     "2 devices x 4 microbatches",
     "2 processes x 2 devices x 2 microbatches",
 ]
+#: Default mode's rows vs its reference after the quick demo's 16 Adam steps (see the test).
+DEFAULT_DRIFT_BOUND = 1e-3
 ISSUE_KEYS = {
     "name",
     "devices",
@@ -105,9 +107,15 @@ def test_quick_demo_end_to_end(tmp_path):
     assert e["losses"] == rows[("reference", True)]["losses"]
     assert "elastic: SIGKILLed after step 9, resumed from the checkpoint of step 8" in out
 
-    # Default mode: the same function, float rounding apart.
+    # Default mode: the same function, float rounding apart. Measured on the quick demo's
+    # local rows (8 devices, 1 x 8, 2 x 4 vs the reference) over seeds 0-7 on one machine:
+    # 1.2e-7 to 1.4e-5 (seed 4 drifted); seed 0 on another machine: 1.0034e-4. Over 16 Adam
+    # steps a last-bit difference can decide a discrete event (docs/rule.md, "Float rounding
+    # across schedules"), in a plain jitted step just as much. The bound sits 10x above the
+    # largest drift seen; the contrast rows (another function) measured 2.9e-2 to 5.9e-2
+    # over seeds 0-2 and must exceed 5x the bound.
     default = [rows[(name, False)]["max_abs_param_diff"] for name in SCHEDULES[1:]]
-    assert max(default) < 1e-4, default
+    assert max(default) < DEFAULT_DRIFT_BOUND, default
 
     # The usual way: something else is computed; far beyond rounding.
     assert {c["scheme"] for c in doc["contrast"]} == {
@@ -117,5 +125,4 @@ def test_quick_demo_end_to_end(tmp_path):
     }
     for c in doc["contrast"]:
         assert not c["bit_identical"], c["name"]
-        assert c["max_abs_param_diff"] > 1e-3, c
-        assert c["max_abs_param_diff"] > 100 * max(default), c
+        assert c["max_abs_param_diff"] > 5 * DEFAULT_DRIFT_BOUND, c

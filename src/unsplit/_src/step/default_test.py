@@ -93,6 +93,35 @@ def test_the_step_compiles_to_the_plain_steps_flops(layout, weighted):
     assert flops(ours) <= 1.002 * flops(plain), (flops(ours), flops(plain))
 
 
+@pytest.mark.parametrize(
+    "layout,weighted", [("fsdp", True), ("fsdp+tp", True), ("replicated", False)]
+)
+def test_the_step_gives_the_plain_steps_bits(layout, weighted):
+    # Default mode's rounding is the plain jitted step's: on each layout, the grads equal
+    # those of jax.jit(jax.value_and_grad(...)) over the same per-example keys, bit for bit.
+    # So whatever drift two schedules show over a run (docs/rule.md, "Float rounding across
+    # schedules"), the user's own step with the same shardings shows it too.
+    mesh = mesh_for(layout, 8, AxisType.Auto)
+    specs = LAYOUTS[layout]
+    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in init_params().items()}
+    batch = jax.device_put(make_batch(), NamedSharding(mesh, P("data")))
+
+    def plain_loss(p, rows, key):
+        keys = unsplit.example_keys(key, jnp.arange(B))
+        out = jax.vmap(LOSSES[weighted], in_axes=(None, 0, 0))(p, rows, keys)
+        return jnp.sum(out[0]) / jnp.sum(out[1]) if weighted else jnp.mean(out)
+
+    shardings = {k: v.sharding for k, v in params.items()}
+    plain = jax.jit(jax.value_and_grad(plain_loss), out_shardings=(None, shardings))
+    plain_loss_value, plain_grads = plain(params, batch, KEY)
+    loss, grads = unsplit.value_and_grad(LOSSES[weighted], weighted=weighted, mesh=mesh)(
+        params, batch, KEY
+    )
+    assert np.asarray(loss) == np.asarray(plain_loss_value)
+    for name in grads:
+        np.testing.assert_array_equal(np.asarray(grads[name]), np.asarray(plain_grads[name]))
+
+
 def test_negative_control_per_device_keys_do_differ():
     # The same layout with one key per device (shard_prng_key) is another computation.
     batch, params = make_batch(), init_params()
