@@ -112,7 +112,8 @@ def audit(
     try:
         found += check_loss(loss_fn, params, example, key)
     except LossTraceError as e:
-        raise e.__cause__ from None  # traced batched but not alone: the loss's own error
+        cause = e.__cause__ if isinstance(e.__cause__, BaseException) else e
+        raise cause from None  # traced batched but not alone: the loss's own error
     return dedupe(found)
 
 

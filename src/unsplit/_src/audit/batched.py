@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from unsplit._src.audit import trace as audit_trace
-from unsplit._src.audit.finding import AuditWarning, Finding, dedupe, finding
+from unsplit._src.audit.finding import UNKNOWN, AuditWarning, Finding, dedupe, finding
 from unsplit._src.audit.graph import Walker, roots
 from unsplit._src.audit.keys import Draw, KeyRules
 from unsplit._src.audit.loss import device_key_findings, unsafe_key_findings
@@ -106,7 +106,7 @@ def _mean_of_means(mean: Origin, accumulator: str) -> Finding:
         f"{mean.label}) and {accumulator} accumulates the "
         "quotient across microbatches: a mean of microbatch means, which weights the tokens "
         "of small microbatches more and changes with how the batch is cut.",
-        mean.site,
+        mean.site or UNKNOWN,
     )
 
 

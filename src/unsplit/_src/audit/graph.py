@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from unsplit._src.audit.values import (
@@ -80,7 +81,7 @@ def roots(info: Info) -> Info:
 
 def is_key_aval(aval: Any) -> bool:
     dtype = getattr(aval, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 # Long: an interpreter of every control-flow primitive (calls, scan, while, cond, device

@@ -163,7 +163,8 @@ class KeyRules(Rules):
 
 def default_impl_note() -> str:
     """`` (jax_default_prng_impl is 'rbg' ...)`` when JAX's default key is not threefry, else ''."""
-    impl = str(jax.config.jax_default_prng_impl)
+    # A flag with a context manager: read as an attribute (jax.config.read refuses it).
+    impl = str(getattr(jax.config, "jax_default_prng_impl"))  # noqa: B009
     if impl == "threefry2x32":
         return ""
     return (

@@ -29,7 +29,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import core as jax_core
 
 from unsplit._src.audit.finding import AuditWarning, Finding, Site, finding
 from unsplit._src.audit.graph import Walker
@@ -199,7 +201,7 @@ def _apply(flat: FlatEqn, args: list[Any]) -> list[Any]:
 
 
 def _constant(node: Node) -> bool:
-    return node.value is not None and not isinstance(node.value, jax.core.Tracer)
+    return node.value is not None and not isinstance(node.value, jax_core.Tracer)
 
 
 def _dummy_keys(aval: Any) -> Any:
@@ -223,7 +225,7 @@ def _equal_prefix(long: Any, short: Any) -> bool:
 
 
 def _bits(value: Any) -> np.ndarray:
-    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
         value = jax.random.key_data(value)
     array = np.asarray(value)
     if array.dtype.kind == "f" or array.dtype.kind == "c":

@@ -66,6 +66,8 @@ def _import(module_name: str) -> Any:
         spec = importlib.util.spec_from_file_location(
             os.path.splitext(os.path.basename(path))[0], path
         )
+        if spec is None or spec.loader is None:
+            raise FactoryError(f"cannot load {path!r} as a Python module. Fix: name a .py file.")
         module = importlib.util.module_from_spec(spec)
         sys.path.insert(0, os.path.dirname(path))
         try:

@@ -24,7 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import core as jax_core
 
 from unsplit._src.trees import canonical_dtype
 
@@ -51,13 +53,13 @@ class Traced(NamedTuple):
 
 def is_array(x: Any) -> bool:
     return isinstance(
-        x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | jax.core.Tracer
+        x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | jax_core.Tracer
     )
 
 
 def is_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def abstract(x: Any, *, keep_sharding: bool = False) -> jax.ShapeDtypeStruct:
@@ -92,8 +94,8 @@ def _input_mesh(avals: Sequence[Any]) -> contextlib.AbstractContextManager:
     meshes = {s.mesh for s in map(named_sharding, avals) if s is not None}
     if len(meshes) != 1 or not jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
-    set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
-    return set_mesh(meshes.pop())
+    mesh: Any = meshes.pop()  # a concrete Mesh: the inputs' NamedShardings hold one
+    return jax.set_mesh(mesh)
 
 
 def trace(
@@ -119,7 +121,7 @@ def trace(
 
     def label(path):
         arg = path[0].idx
-        return (names[arg] if names else f"args[{arg}]") + jax.tree_util.keystr(path[1:])
+        return str(names[arg] if names else f"args[{arg}]") + jax.tree_util.keystr(path[1:])
 
     def held(leaf):
         return numpy_static and isinstance(leaf, np.ndarray | np.generic)

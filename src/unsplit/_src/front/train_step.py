@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 import optax
 
+from unsplit._src.bitwise.step import BitwiseStep
 from unsplit._src.bitwise.update import CanonicalUpdate, GroupedUpdate
 from unsplit._src.front.array_jit import ArrayJit, with_static, without_static
 from unsplit._src.front.value_and_grad import Step, memory_hint
@@ -103,6 +104,7 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         with_grads = jax.tree.map(
             lambda g, p: None if g is None else p, grads, params, is_leaf=lambda x: x is None
         )
+        assert tx is not None  # a TrainState's own tx, or the optimizer train_step was given
         updates, opt_state = tx.update(grads, opt_state, with_grads)
         # A leaf without a gradient has no update: it stays as it is (optax.apply_updates
         # would add None to it).
@@ -140,8 +142,8 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
     # FSDP groups (chunk_axes), on each group's shards (its bits fixed by the group, as the
     # step's are).
     bitwise = _BitwiseTrain(step)
-    mesh = step._engine.layout.mesh
-    groups = tuple(a for a in step._engine.chunk_axes if mesh.shape[a] > 1)
+    mesh = _bitwise_mesh(step)
+    groups = tuple(a for a in cast(BitwiseStep, step._engine).chunk_axes if mesh.shape[a] > 1)
 
     def canonical(fn, outputs):
         if groups:
@@ -157,6 +159,13 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
             canonical(lambda state, grads: (update_state(state, grads),), 1),
         ),
     )
+
+
+def _bitwise_mesh(step: Step) -> jax.sharding.Mesh:
+    """A bitwise step's mesh (a one-device mesh for ``mesh=None``: it always has one)."""
+    mesh = cast(BitwiseStep, step._engine).layout.mesh
+    assert mesh is not None
+    return mesh
 
 
 def trainable(params: Any) -> Any:
@@ -245,7 +254,7 @@ class _BitwiseTrain:
         the optimizer state there on the first call gives the update the same
         input types on every call, so nothing is traced twice.
         """
-        mesh = self.step._engine.layout.mesh
+        mesh = _bitwise_mesh(self.step)
         if mesh.size != 1:
             return tree
         sharding = jax.sharding.NamedSharding(mesh, jax.P())

@@ -328,7 +328,7 @@ class Step:
         Like ``jax.jit(f).lower(...)``: ``step.lower(...).compile()`` gives its
         ``memory_analysis()`` and ``cost_analysis()``.
         """
-        if self.bitwise:
+        if not isinstance(self._engine, DefaultStep):
             raise NotImplementedError(
                 "bitwise mode runs several programs per step (one per device group and the "
                 "fixed-order reduction); lower() describes default mode's single program. "
