@@ -227,7 +227,7 @@ importable from here, or a path/to/file.py) that returns either
                                 **options), e.g. options = {"weighted": True}
 
 Kinds: foreign_key, cross_example, dropped_state, unsafe_key, padding_unstable,
-device_key, batch_draw, mean_of_means (docs/audit.md). Tracing uses 8 simulated
+device_key, batch_draw, mean_of_means (https://unsplit.readthedocs.io/en/latest/audit/). Tracing uses 8 simulated
 CPU devices, as the demo does.
 """
 

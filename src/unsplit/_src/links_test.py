@@ -14,20 +14,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 SRC = ROOT / "src" / "unsplit"
 DOCS = ROOT / "docs"
 
-# TODO(lead): files being rewritten that still name repository paths (docs/x.md); drop each
-# once it names pages with links.doc_ref / the site's address.
+# Files that other work is rewriting now; each names pages by the site's address once done.
 LEAD = {
-    "cli.py",
-    "_src/value_and_grad.py",
-    "_src/train_step.py",
-    "_src/canonical_update.py",
     "_src/bitwise/step.py",
+    "_src/bitwise/update.py",
     "_src/dropout/attention.py",
-    "_src/audit/api.py",
-    "_src/audit/finding.py",
-    "_src/audit/report.py",
-    "_src/step/validate.py",
-    "_src/step/state_guard.py",
 }
 
 

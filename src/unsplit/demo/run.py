@@ -120,7 +120,7 @@ def run(
 
     Returns:
         ``{"config", "environment", "schedules", "contrast", "baselines",
-        "skipped", "inert_params", "elapsed_s", ...}``; ``docs/demo.md``
+        "skipped", "inert_params", "elapsed_s", ...}``; the demo guide (https://unsplit.readthedocs.io/en/latest/demo/)
         explains every field.
     """
     config.check()

@@ -2,7 +2,7 @@
 
 Both trace the function (``jax.make_jaxpr``; nothing runs), follow where every
 value comes from through every sub-jaxpr, and return :class:`Finding` s that
-name the user's source line. See ``docs/audit.md`` for the catalogue of kinds
+name the user's source line. See the audit guide (https://unsplit.readthedocs.io/en/latest/audit/) for the catalogue of kinds
 and for what the audit cannot see.
 """
 
@@ -42,7 +42,7 @@ def audit(
     ``jax.vmap(loss_fn, in_axes=(None, 0, 0))(params, batch,
     unsplit.example_keys(key, ids))``, then walked for one example. Kinds:
     ``foreign_key``, ``cross_example``, ``dropped_state``, ``unsafe_key``,
-    ``padding_unstable``, ``device_key`` (see ``docs/audit.md``).
+    ``padding_unstable``, ``device_key`` (see the audit guide, https://unsplit.readthedocs.io/en/latest/audit/).
 
     Args:
         loss_fn: ``loss_fn(params, example, key)`` for ONE example.

@@ -46,7 +46,7 @@ KINDS: dict[str, Kind] = {
         "compute the loss of one example from that example alone; a loss that needs the other "
         "examples (in-batch negatives, batch statistics, a load-balancing term) belongs in "
         "unsplit.value_and_grad(features_fn, batch_loss=batch_loss_fn): per-example features, "
-        "then one loss over the whole global batch's features (docs/coupled.md)",
+        "then one loss over the whole global batch's features (the Losses that couple examples guide, https://unsplit.readthedocs.io/en/latest/coupled/)",
     ),
     "dropped_state": Kind(
         "state updated inside the loss and then discarded (BatchNorm statistics, mutable "

@@ -218,6 +218,6 @@ def render(findings: Sequence[Finding], target: str, file: Any = None) -> None:
         console.print(f"{len(findings)} finding(s) in {target}: {kinds}.")
     else:
         console.print(
-            f"no findings in {target}. (The audit traces the function; docs/audit.md lists "
+            f"no findings in {target}. (The audit traces the function; the audit guide (https://unsplit.readthedocs.io/en/latest/audit/) lists "
             "what it cannot see.)"
         )

@@ -1,7 +1,7 @@
 """``train_step`` (also ``bitwise_train_step``): one call per training step, optimizer included.
 
 A bitwise step cannot run inside ``jax.jit`` (its chunk programs are compiled
-on their own; see ``docs/bitwise.md``), so the usual "jit the whole train
+on their own; see the Bitwise mode guide, https://unsplit.readthedocs.io/en/latest/bitwise/), so the usual "jit the whole train
 step" does not apply to it. ``bitwise_train_step`` gives the same thing: the
 step's ``(loss, grads)``, then the optimizer update as one compiled program
 (on copies of the params and optimizer state: not donated). The host work per call does not

@@ -75,7 +75,7 @@ def value_and_grad(
             others) and keep their shardings; so do the grads.
         bitwise: make loss and grads bit-identical for every (devices,
             microbatches, processes) schedule of the same global batch; see
-            ``docs/bitwise.md``.
+            the Bitwise mode guide (https://unsplit.readthedocs.io/en/latest/bitwise/).
         chunk_size: bitwise mode's fixed unit of work, in examples (default:
             depends on the global batch size only; with ``chunk_axes``, made a
             multiple of their device count).
@@ -92,7 +92,7 @@ def value_and_grad(
             ``features_fn``) gets them as arrays of shape ``(G, ...)`` and the
             key ``example_keys(key, g)``, and ``ids`` are the rows' ids. For
             layers that couple a few rows (ghost BatchNorm, see
-            ``docs/coupled.md``): no microbatch or device share can split a
+            https://unsplit.readthedocs.io/en/latest/coupled/): no microbatch or device share can split a
             group (a schedule that would raises), so their statistics are the
             same for every schedule. Default ``None``: one row per example.
         audit: on the first call, run every per-example check of
@@ -121,7 +121,7 @@ def value_and_grad(
             every schedule; with ``has_aux=True`` ``batch_loss`` returns
             ``(loss, aux)`` and ``aux`` comes back as it returned it. Memory:
             one microbatch's activations plus the global batch's features (see
-            ``docs/coupled.md``). Not with ``weighted=True`` (put weights in the
+            https://unsplit.readthedocs.io/en/latest/coupled/). Not with ``weighted=True`` (put weights in the
             features and divide inside ``batch_loss``).
 
     Returns:

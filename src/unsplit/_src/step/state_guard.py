@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 
+from unsplit._src import links
 from unsplit._src.audit import state as audit_state
 
 
@@ -53,8 +54,9 @@ class _Guard:
                 "use_running_average=True), and do not pass mutable=[...] to apply); for "
                 "statistics over the batch (ghost batches, running averages of the global "
                 "batch), make a group of rows one example and pool the statistics with "
-                "unsplit.value_and_grad(features_fn, batch_loss=...) (docs/coupled.md, "
-                "BatchNorm)."
+                "unsplit.value_and_grad(features_fn, batch_loss=...) ("
+                + links.doc_ref("coupled", "recipe-batchnorm-over-fixed-groups-ghost-batches")
+                + ")."
             )
         if dropped:
             shown = ", ".join(u.owner for u in dropped[:4])

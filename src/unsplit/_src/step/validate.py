@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from unsplit._src import keys as keys_lib
+from unsplit._src import links
 
 
 def is_traced(*trees: Any) -> bool:
@@ -33,7 +34,9 @@ def refuse_bitwise_in_jit(*trees: Any) -> None:
         raise TypeError(
             "bitwise=True cannot run inside jax.jit (or another transformation): its "
             "chunk programs must be compiled on their own, because XLA compiles the same "
-            "computation inside a multi-device program into other bits (docs/bitwise.md). "
+            "computation inside a multi-device program into other bits ("
+            + links.doc_ref("bitwise")
+            + "). "
             "Fix: use train = unsplit.train_step(step, optimizer), which runs the step and "
             "the optimizer update in one call; or call the step outside jit."
         )
