@@ -297,7 +297,7 @@ def main() -> int:
         "timing": timing,
         "coupled": coupled,
         "realistic": lambda lines: realistic_check.realistic(
-            lines, tiny=args.tiny, trace_dir=trace_dir
+            lines, tiny=args.tiny, trace_dir=trace_dir, time_left=left
         ),
     }
     for name, part in runs.items():
