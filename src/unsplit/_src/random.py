@@ -32,6 +32,11 @@ element; these hash once per four elements. The hash is written out
 with the key words in registers; jax's CPU lowering of the primitive runs the
 rounds as a loop over whole arrays, which is slow once the keys vary per
 element (per-example keys under ``vmap``, per-head keys).
+The masks of the drop-ins (:func:`keep_mask_from_data`,
+:func:`grid_keep_mask_from_data`) compare the four lanes with the keep
+threshold inside the hash's loop and write their four keep bits in one byte:
+one hash loop instead of one per 32-bit output word, and a quarter byte
+written per element; the bits are those of the lanes.
 
 **Rate resolution.** An element is kept iff its lane is below
 ``keep_threshold(rate)``, the nearest integer to ``(1 - rate) * 2**16``,
@@ -290,6 +295,33 @@ def grid_keep_mask_from_data(
     if math.prod(_check_grid(shape)) == 0:
         return jnp.zeros(shape, jnp.bool_, out_sharding=spec)
     k0, k1, hi, lo, grid_spec = _grid_counters(data, shape, spec)
+    mask = _packed_keep(k0, k1, hi, lo, threshold, data, grid_spec)
+    return _grid_cut(mask, shape, spec, grid_spec)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def keep_mask_from_data(
+    data: jax.Array,
+    shape: tuple[int, ...],
+    threshold: jax.typing.ArrayLike,
+    spec: jax.P | None = None,
+) -> jax.Array:
+    """``lanes16_from_data(data, shape, spec) < threshold`` (flat layout), drawn packed.
+
+    As :func:`grid_keep_mask_from_data`: one hash loop writes the four keep bits
+    of each block in one byte. Shapes whose last axis is not a multiple of 4
+    take the lanes' path.
+    """
+    if not shape or shape[-1] % LANES or math.prod(shape) == 0 or max(shape) > _MAX_COUNTERS_1D:
+        return lanes16_from_data(data, shape, spec) < jnp.asarray(threshold, jnp.uint32)
+    grouped = (*shape[:-1], shape[-1] // LANES)
+    hi, lo = counter_words(grouped, spec=spec)
+    mask = _packed_keep(data[0], data[1], hi, lo, threshold, data, spec)
+    return mask.reshape(shape, out_sharding=spec)
+
+
+def _packed_keep(k0, k1, hi, lo, threshold, data: jax.Array, spec: jax.P | None) -> jax.Array:
+    """The keep bits of each hash's four lanes, ``bool[*hi.shape, 4]``, from one packed byte."""
     w0, w1 = threefry2x32(k0, k1, hi, lo)
     t, low = jnp.asarray(threshold, jnp.uint32), np.uint32(LANE_VALUES - 1)
     lanes = ((w0 & low) < t, (w0 >> LANE_BITS) < t, (w1 & low) < t, (w1 >> LANE_BITS) < t)
@@ -300,12 +332,11 @@ def grid_keep_mask_from_data(
     # which reads each byte four times (see _hash).
     one = lax.div(data[0] | np.uint32(1), data[0] | np.uint32(1)).astype(jnp.uint8)
     packed = lax.div(packed, one)
-    lane_spec = None if grid_spec is None else jax.P(*grid_spec, None)
+    lane_spec = None if spec is None else jax.P(*spec, None)
     lane = lax.broadcasted_iota(
         jnp.uint8, (*packed.shape, LANES), packed.ndim, out_sharding=lane_spec
     )
-    mask = ((packed[..., None] >> lane) & np.uint8(1)).astype(jnp.bool_)
-    return _grid_cut(mask, shape, spec, grid_spec)
+    return ((packed[..., None] >> lane) & np.uint8(1)).astype(jnp.bool_)
 
 
 def _check_grid(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -318,3 +318,14 @@ def test_grid_keep_mask_is_the_lanes_below_the_threshold():
     shape = (3, 9, 13)
     want = np.asarray(random.grid_lanes16_from_data(data, shape)) < 40000
     np.testing.assert_array_equal(traced(data, shape, jnp.uint32(40000)), want)
+
+
+def test_flat_keep_mask_is_the_lanes_below_the_threshold():
+    """The packed draw of the dropout layers has the bits of the flat lanes' compare."""
+    data = random.key_data(jax.random.key(12))
+    for shape in [(64, 128), (3, 5, 8), (4,), (6, 7), (5,), (), (0, 8)]:
+        lanes = np.asarray(random.lanes16_from_data(data, shape))
+        for threshold in [0, 1, 58982, 2**16]:
+            got = random.keep_mask_from_data(data, shape, np.uint32(threshold))
+            assert got.dtype == jnp.bool_ and got.shape == shape
+            np.testing.assert_array_equal(got, lanes < threshold)

@@ -167,6 +167,8 @@ def _select(data: jax.Array, threshold: Any, x: jax.Array, layout: MaskLayout) -
     elif layout.grid:
         lanes = random.grid_lanes16_from_data(data, layout.shape, layout.spec, shared)
         mask = lanes < jnp.asarray(threshold, jnp.uint32)
+    elif not shared:
+        mask = random.keep_mask_from_data(data, layout.shape, threshold, layout.spec)
     else:
         lanes = random.lanes16_from_data(data, layout.shape, layout.spec, shared)
         mask = lanes < jnp.asarray(threshold, jnp.uint32)
