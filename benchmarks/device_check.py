@@ -18,7 +18,16 @@ It sets the flags bitwise mode needs on GPU (``--xla_gpu_deterministic_ops=true
 4. **the dropout and attention benches** (``dropout_bench.py`` and
    ``attention_bench.py`` with ``--quick``), their tables as printed; they run first, each
    in a process of its own, before the check opens the accelerator (a TPU chip is held by
-   one process at a time).
+   one process at a time);
+5. **a realistic size** (``realistic_check.py``): a GPT-2-small-scale transformer (12
+   layers, width 768, sequence 512, batch 32), bitwise / default time and memory at the
+   default chunk size and at one chunk per device, and a ``jax.profiler`` trace summary
+   of where a bitwise step's time goes.
+
+``--parts`` picks parts (default: all, the realistic one last, if time is left);
+``--parts realistic --budget 540`` is the one prepared call for the realistic size.
+``--tiny`` (and any CPU run) makes the realistic part small, to check the script end
+to end. ``--trace-dir`` keeps the trace (default: ``$OUT/trace`` when ``$OUT`` is set).
 
 Everything goes to stdout and, with ``--out``, to a markdown file headed by the device's
 name, ready for docs/benchmarks.md. Each part checks the time left and says what it
@@ -246,14 +255,30 @@ def benches(lines: list[str], budget_s: float = BENCHES_S) -> None:
                   shown.strip(), "```"]  # fmt: skip
 
 
+PARTS = ("benches", "grid", "timing", "coupled", "realistic")
+
+
 def main() -> int:
+    global BUDGET_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, help="also write the report here (markdown)")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}"
+    )
+    parser.add_argument("--tiny", action="store_true", help="a small realistic part (smoke run)")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds in all")
+    parser.add_argument("--trace-dir", type=pathlib.Path, help="where the profiler trace goes")
     args = parser.parse_args()
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: expected some of {PARTS}, got {unknown}")
+    BUDGET_S = args.budget
     setup_flags()
     sys.path.insert(0, str(HERE))
     bench_lines: list[str] = []
-    benches(bench_lines)  # first: see benches()
+    if "benches" in parts:
+        benches(bench_lines)  # first: see benches()
     import jax
 
     device = jax.devices()[0]
@@ -262,12 +287,30 @@ def main() -> int:
         "",
         f"jax {jax.__version__}; XLA_FLAGS={os.environ['XLA_FLAGS']}",
     ]
-    for part in (grid, timing, coupled):
+    trace_dir = args.trace_dir
+    if trace_dir is None and os.environ.get("OUT"):
+        trace_dir = pathlib.Path(os.environ["OUT"]) / "trace"
+    import realistic_check
+
+    runs = {
+        "grid": grid,
+        "timing": timing,
+        "coupled": coupled,
+        "realistic": lambda lines: realistic_check.realistic(
+            lines, tiny=args.tiny, trace_dir=trace_dir, time_left=left
+        ),
+    }
+    for name, part in runs.items():
+        if name not in parts:
+            continue
+        if name == "realistic" and "grid" in parts and left() < 150:
+            lines += ["", "realistic: skipped (time; run it alone with --parts realistic)"]
+            continue
         try:
             part(lines)
         except Exception as error:  # report it and go on: one part's failure is a finding
             trace = traceback.format_exc(limit=-6)
-            lines += ["", f"{part.__name__} failed: {type(error).__name__}: {error}", "",
+            lines += ["", f"{name} failed: {type(error).__name__}: {error}", "",
                       "```", trace.strip()[-3000:], "```"]  # fmt: skip
     lines += [*bench_lines, "", f"Total {time.monotonic() - START:.0f} s."]
     report = "\n".join(lines)

@@ -25,6 +25,7 @@ from unsplit._src.audit.api import audit_step as audit_step
 from unsplit._src.audit.finding import AuditError as AuditError
 from unsplit._src.audit.finding import Finding as Finding
 from unsplit._src.audit.finding import PaddingWarning as PaddingWarning
+from unsplit._src.bitwise.chunk_size import chunk_size_for as chunk_size_for
 from unsplit._src.bitwise.update import canonical_sum as canonical_sum
 from unsplit._src.dropout.functional import dropout as dropout
 from unsplit._src.front.options import Bitwise as Bitwise
@@ -70,6 +71,7 @@ __all__ = [
     "audit_step",
     "bitwise_train_step",
     "canonical_sum",
+    "chunk_size_for",
     "dropout",
     "example_keys",
     "global_batch",

@@ -32,6 +32,11 @@ element; these hash once per four elements. The hash is written out
 with the key words in registers; jax's CPU lowering of the primitive runs the
 rounds as a loop over whole arrays, which is slow once the keys vary per
 element (per-example keys under ``vmap``, per-head keys).
+The masks of the drop-ins (:func:`keep_mask_from_data`,
+:func:`grid_keep_mask_from_data`) compare the four lanes with the keep
+threshold inside the hash's loop and write their four keep bits in one byte:
+one hash loop instead of one per 32-bit output word, and a quarter byte
+written per element; the bits are those of the lanes.
 
 **Rate resolution.** An element is kept iff its lane is below
 ``keep_threshold(rate)``, the nearest integer to ``(1 - rate) * 2**16``,
@@ -56,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -264,15 +270,89 @@ def grid_lanes16_from_data(
     every device draw only its own shard of the leading axes and rows.
     ``shared=True`` for a mask that is then broadcast (see :func:`_hash`).
     """
+    if math.prod(_check_grid(shape)) == 0:
+        return jnp.zeros(shape, jnp.uint32, out_sharding=spec)
+    k0, k1, hi, lo, grid_spec = _grid_counters(data, shape, spec)
+    lanes = _lanes(*_hash(k0, k1, hi, lo, shared, data), grid_spec)
+    return _grid_cut(lanes, shape, spec, grid_spec)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def grid_keep_mask_from_data(
+    data: jax.Array,
+    shape: tuple[int, ...],
+    threshold: jax.typing.ArrayLike,
+    spec: jax.P | None = None,
+) -> jax.Array:
+    """``grid_lanes16_from_data(data, shape, spec) < threshold``: the same bits, drawn faster.
+
+    The hash's four lanes are compared in the loop that computes it and their
+    four keep bits packed into one byte, the only array written (a quarter of a
+    byte per element, instead of two 32-bit words per four elements, each word
+    written by its own loop over the 20 rounds); the consumer unpacks a bit per
+    element. Not for a ``shared`` mask (drawn by :func:`grid_lanes16_from_data`).
+    """
+    if math.prod(_check_grid(shape)) == 0:
+        return jnp.zeros(shape, jnp.bool_, out_sharding=spec)
+    k0, k1, hi, lo, grid_spec = _grid_counters(data, shape, spec)
+    mask = _packed_keep(k0, k1, hi, lo, threshold, data, grid_spec)
+    return _grid_cut(mask, shape, spec, grid_spec)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def keep_mask_from_data(
+    data: jax.Array,
+    shape: tuple[int, ...],
+    threshold: jax.typing.ArrayLike,
+    spec: jax.P | None = None,
+) -> jax.Array:
+    """``lanes16_from_data(data, shape, spec) < threshold`` (flat layout), drawn packed.
+
+    As :func:`grid_keep_mask_from_data`: one hash loop writes the four keep bits
+    of each block in one byte. Shapes whose last axis is not a multiple of 4
+    take the lanes' path.
+    """
+    if not shape or shape[-1] % LANES or math.prod(shape) == 0 or max(shape) > _MAX_COUNTERS_1D:
+        return lanes16_from_data(data, shape, spec) < jnp.asarray(threshold, jnp.uint32)
+    grouped = (*shape[:-1], shape[-1] // LANES)
+    hi, lo = counter_words(grouped, spec=spec)
+    mask = _packed_keep(data[0], data[1], hi, lo, threshold, data, spec)
+    return mask.reshape(shape, out_sharding=spec)
+
+
+def _packed_keep(k0, k1, hi, lo, threshold, data: jax.Array, spec: jax.P | None) -> jax.Array:
+    """The keep bits of each hash's four lanes, ``bool[*hi.shape, 4]``, from one packed byte."""
+    w0, w1 = threefry2x32(k0, k1, hi, lo)
+    t, low = jnp.asarray(threshold, jnp.uint32), np.uint32(LANE_VALUES - 1)
+    lanes = ((w0 & low) < t, (w0 >> LANE_BITS) < t, (w1 & low) < t, (w1 >> LANE_BITS) < t)
+    packed = functools.reduce(
+        operator.or_, (bit.astype(jnp.uint8) << np.uint8(j) for j, bit in enumerate(lanes))
+    )
+    # A division by a runtime 1 (exact) keeps XLA from fusing the hash into the consumer,
+    # which reads each byte four times (see _hash).
+    one = lax.div(data[0] | np.uint32(1), data[0] | np.uint32(1)).astype(jnp.uint8)
+    packed = lax.div(packed, one)
+    lane_spec = None if spec is None else jax.P(*spec, None)
+    lane = lax.broadcasted_iota(
+        jnp.uint8, (*packed.shape, LANES), packed.ndim, out_sharding=lane_spec
+    )
+    return ((packed[..., None] >> lane) & np.uint8(1)).astype(jnp.bool_)
+
+
+def _check_grid(shape: tuple[int, ...]) -> tuple[int, ...]:
     if len(shape) < 2:
         raise ValueError(f"the grid layout needs at least two axes (rows, cols); got {shape=}.")
-    *lead, rows, cols = shape
-    if math.prod(shape) == 0:
-        return jnp.zeros(shape, jnp.uint32, out_sharding=spec)
+    rows, cols = shape[-2:]
     if rows > _MAX_COUNTERS_1D or -(-cols // LANES) > _MAX_COUNTERS_1D:
         raise ValueError(
             f"the grid layout takes at most 2**32 rows and 2**34 columns; got {shape=}."
         )
+    return shape
+
+
+def _grid_counters(data: jax.Array, shape: tuple[int, ...], spec: jax.P | None):
+    """The grid layout's per-block key words and counters, and the spec of its blocks."""
+    *lead, rows, cols = shape
     n = len(lead)
     entries = (None,) * len(shape) if spec is None else (*spec, *(None,) * (len(shape) - len(spec)))
     # The columns stay whole on each device (they are cut into blocks of four).
@@ -291,9 +371,15 @@ def grid_lanes16_from_data(
         key_spec = None if spec is None else jax.P(*entries[:n], None, None)
         k0 = k0.reshape((*lead, 1, 1), out_sharding=key_spec)
         k1 = k1.reshape((*lead, 1, 1), out_sharding=key_spec)
-    lanes = _lanes(*_hash(k0, k1, hi, lo, shared, data), grid_spec)
-    lanes = lanes.reshape((*lanes.shape[:-2], blocks * LANES), out_sharding=grid_spec)
-    lanes = lanes if cols == blocks * LANES else lanes[..., :cols]
+    return k0, k1, hi, lo, grid_spec
+
+
+def _grid_cut(lanes: jax.Array, shape: tuple[int, ...], spec, grid_spec) -> jax.Array:
+    """Per-block lanes ``[..., blocks, 4]`` as ``shape``: the blocks' lanes row-major, cut to the columns."""
+    cols = shape[-1]
+    width = lanes.shape[-2] * LANES
+    lanes = lanes.reshape((*lanes.shape[:-2], width), out_sharding=grid_spec)
+    lanes = lanes if cols == width else lanes[..., :cols]
     return lanes if spec is None else jax.sharding.reshard(lanes, spec)
 
 

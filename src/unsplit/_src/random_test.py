@@ -302,3 +302,30 @@ def test_lane_values_are_uniform():
         expected = lanes.size / 256
         statistic = float(np.sum((observed - expected) ** 2 / expected))
         assert statistic < stats.chi2.isf(ALPHA, 255), statistic
+
+
+def test_grid_keep_mask_is_the_lanes_below_the_threshold():
+    """The packed draw (attention's mask) has the bits of the grid lanes' compare."""
+    data = random.key_data(jax.random.key(11))
+    for shape in [(2, 3, 5, 7), (4, 8), (1, 6), (2, 2, 3, 12), (0, 4), (3, 0)]:
+        lanes = random.grid_lanes16_from_data(data, shape)
+        for threshold in [0, 1, 58982, 2**15, 2**16]:
+            want = np.asarray(lanes) < threshold
+            got = random.grid_keep_mask_from_data(data, shape, np.uint32(threshold))
+            assert got.dtype == jnp.bool_
+            np.testing.assert_array_equal(got, want)
+    traced = jax.jit(random.grid_keep_mask_from_data, static_argnums=1)
+    shape = (3, 9, 13)
+    want = np.asarray(random.grid_lanes16_from_data(data, shape)) < 40000
+    np.testing.assert_array_equal(traced(data, shape, jnp.uint32(40000)), want)
+
+
+def test_flat_keep_mask_is_the_lanes_below_the_threshold():
+    """The packed draw of the dropout layers has the bits of the flat lanes' compare."""
+    data = random.key_data(jax.random.key(12))
+    for shape in [(64, 128), (3, 5, 8), (4,), (6, 7), (5,), (), (0, 8)]:
+        lanes = np.asarray(random.lanes16_from_data(data, shape))
+        for threshold in [0, 1, 58982, 2**16]:
+            got = random.keep_mask_from_data(data, shape, np.uint32(threshold))
+            assert got.dtype == jnp.bool_ and got.shape == shape
+            np.testing.assert_array_equal(got, lanes < threshold)

@@ -20,8 +20,11 @@ mask, which comes from :func:`attention_dropout`:
 * with ``broadcast_dropout=True`` (Flax's default) one ``(q, k)`` mask is
   shared by every batch row and head, as in Flax (it is the mask of
   coordinate 0 of each shared axis);
-* one threefry hash serves four weights, and the backward pass draws the mask
-  again instead of storing it;
+* one threefry hash serves four weights; its four keep bits are packed into a
+  byte in the hash's own loop (a quarter byte per weight is all that is
+  written, see :func:`unsplit._src.random.grid_keep_mask_from_data`), and the
+  backward pass draws the mask again instead of saving it (when forward and
+  backward are one program, XLA computes the packed bits once for both);
 * kept weights are divided by the keep probability the 16-bit threshold gives,
   so the expectation is exact; ``dropout_rate == 1`` gives zero weights where
   Flax accepts that rate (Flax's gives NaN: it divides by a keep probability of

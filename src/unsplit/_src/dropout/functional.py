@@ -163,11 +163,16 @@ masked.defvjp(_masked_fwd, _masked_bwd)
 @functools.partial(jax.jit, static_argnums=(3,))
 def _select(data: jax.Array, threshold: Any, x: jax.Array, layout: MaskLayout) -> jax.Array:
     shared = layout.shape != x.shape  # a broadcast mask: drawn once at its own shape
-    if layout.grid:
+    if layout.grid and not shared:
+        mask = random.grid_keep_mask_from_data(data, layout.shape, threshold, layout.spec)
+    elif layout.grid:
         lanes = random.grid_lanes16_from_data(data, layout.shape, layout.spec, shared)
+        mask = lanes < jnp.asarray(threshold, jnp.uint32)
+    elif not shared:
+        mask = random.keep_mask_from_data(data, layout.shape, threshold, layout.spec)
     else:
         lanes = random.lanes16_from_data(data, layout.shape, layout.spec, shared)
-    mask = lanes < jnp.asarray(threshold, jnp.uint32)
+        mask = lanes < jnp.asarray(threshold, jnp.uint32)
     if shared and layout.grid:
         # Attention weights (finite) times a small 0/1 multiplier, as flax multiplies:
         # XLA fuses it into the attention's matmuls instead of writing the weights again.

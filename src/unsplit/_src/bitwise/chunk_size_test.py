@@ -1,0 +1,142 @@
+"""``chunk_size_for``: the largest chunk every listed schedule accepts, and its errors.
+
+The returned chunk is checked on real bitwise steps: a small MLP's loss and
+grads on each listed device count of the 8 simulated devices (replicated, and
+FSDP groups with ``chunk_axes``) are bit-identical.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh
+
+import unsplit
+from unsplit._src import test_util as testing
+from unsplit._src.bitwise.chunk_size import chunk_size_for
+
+AUTO = AxisType.Auto
+
+
+@pytest.mark.parametrize(
+    "batch,devices,group,at_most,want",
+    [
+        (64, (1, 8, 64), 1, None, 1),  # the last device holds one example
+        (512, (1, 8, 64), 1, None, 8),
+        (512, (1, 8), 1, None, 64),
+        (512, (1, 8), 1, 16, 16),
+        (512, (1, 8), 1, 24, 16),  # the largest divisor of 64 not above 24
+        (48, (2, 3), 1, None, 8),  # shares 24 and 16: gcd 8
+        (12, 3, 1, None, 4),
+        (96, (4, 8), 4, None, 48),  # one or two groups of 4: shares 96 and 48
+        (24, (2, 4, 8), 2, None, 6),  # shares 24, 12, 6; multiples of 2
+        (16, (4,), 4, 6, 4),
+    ],
+)
+def test_largest_valid_chunk(batch, devices, group, at_most, want):
+    got = chunk_size_for(batch, devices, group_devices=group, at_most=at_most)
+    assert got == want
+    counts = (devices,) if isinstance(devices, int) else devices
+    for d in counts:  # every schedule's rule, read from the definition
+        share = batch // (d // group)
+        assert got % group == 0 and share % got == 0
+
+
+def test_default_devices():
+    assert unsplit.chunk_size_for(4096) == 64  # (1, 8, 64): the 64-device share
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(global_batch=100, batch_devices=(1, 8)), ValueError, "8 does not divide 100"),
+        (
+            dict(global_batch=16, batch_devices=(2, 3), group_devices=2),
+            ValueError,
+            "multiple of 2 .*3 is not",
+        ),
+        (
+            dict(global_batch=12, batch_devices=(2, 4), group_devices=4),
+            ValueError,
+            "multiple of 4 .*2 is not",
+        ),
+        (
+            dict(global_batch=16, batch_devices=(4,), group_devices=4, at_most=2),
+            ValueError,
+            "multiple of 4, at most at_most=2; got none.*at_most >= 4",
+        ),
+        (dict(global_batch=0), TypeError, "global_batch must be a positive int"),
+        (dict(global_batch=8.0), TypeError, "global_batch must be a positive int"),
+        (dict(global_batch=8, batch_devices=()), TypeError, "non-empty sequence"),
+        (dict(global_batch=8, batch_devices=(1, 0)), TypeError, r"with \[0\]"),
+        (dict(global_batch=8, batch_devices="8"), TypeError, "positive ints"),
+        (dict(global_batch=8, group_devices=True), TypeError, "group_devices must be"),
+        (dict(global_batch=8, at_most=0), TypeError, "at_most must be"),
+    ],
+)
+def test_errors_say_what_was_expected_got_and_the_fix(kwargs, error, match):
+    with pytest.raises(error, match=match) as info:
+        chunk_size_for(**kwargs)
+    assert "Fix:" in str(info.value)
+
+
+# ---- the returned chunk on real bitwise steps ----
+
+IN, HIDDEN = 4, 8
+
+
+def mlp_params():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w1": jax.random.normal(k1, (IN, HIDDEN)) * 0.5,
+        "w2": jax.random.normal(k2, (HIDDEN, 1)) * 0.5,
+    }
+
+
+def mlp_loss(params, example, key):
+    del key
+    hidden = jnp.tanh(example["x"] @ params["w1"])
+    return jnp.sum((hidden @ params["w2"] - example["y"]) ** 2)
+
+
+def mlp_batch(size):
+    x = jax.random.normal(jax.random.key(1), (size, IN))
+    return {"x": x, "y": jnp.sin(x[:, :1])}
+
+
+def bitwise_step(batch, chunk, data, group):
+    """One bitwise step on ``data * group`` devices (FSDP groups of ``group`` when > 1)."""
+    params = mlp_params()
+    if group == 1:
+        mesh = jax.make_mesh((data,), ("data",), axis_types=(AUTO,))
+        extra = {}
+    else:
+        devices = np.array(jax.devices()[: data * group]).reshape(data, group)
+        mesh = Mesh(devices, ("data", "fsdp"), axis_types=(AUTO, AUTO))
+        params = testing.replicated(
+            jax.tree.map(np.asarray, params), mesh, testing.fsdp_specs(params, "fsdp", group)
+        )
+        extra = {"batch_axes": ("data", "fsdp"), "chunk_axes": "fsdp"}
+    step = unsplit.value_and_grad(
+        mlp_loss, mesh=mesh, bitwise=True, chunk_size=chunk, weighted=False, **extra
+    )
+    return step(params, batch, jax.random.key(2))
+
+
+@pytest.mark.parametrize(
+    "size,devices,group",
+    [
+        (24, (1, 2, 4, 8), 1),  # shares 24, 12, 6 and 3: chunk 3
+        (32, (1, 2, 8), 1),  # shares 32, 16 and 4: chunk 4
+        (24, (2, 4, 8), 2),  # groups of 2: shares 24, 12 and 6: chunk 6
+    ],
+)
+def test_the_chunk_gives_the_same_bits_on_every_listed_device_count(size, devices, group):
+    chunk = chunk_size_for(size, devices, group_devices=group)
+    batch = mlp_batch(size)
+    outs = [bitwise_step(batch, chunk, d // group, group) for d in devices]
+    for out in outs[1:]:
+        assert testing.bits_equal(out, outs[0])
+    # A larger chunk than the one returned fails on the schedule with the smallest share.
+    with pytest.raises(ValueError, match="whole number of chunks"):
+        bitwise_step(batch, 2 * chunk, devices[-1] // group, group)
