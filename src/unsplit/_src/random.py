@@ -32,8 +32,8 @@ element; these hash once per four elements. The hash is written out
 with the key words in registers; jax's CPU lowering of the primitive runs the
 rounds as a loop over whole arrays, which is slow once the keys vary per
 element (per-example keys under ``vmap``, per-head keys).
-The masks of the drop-ins (:func:`keep_mask_from_data`,
-:func:`grid_keep_mask_from_data`) compare the four lanes with the keep
+The masks of the drop-ins (:mod:`unsplit._src.masks`: ``keep_mask_from_data``,
+``grid_keep_mask_from_data``) compare the four lanes with the keep
 threshold inside the hash's loop and write their four keep bits in one byte:
 one hash loop instead of one per 32-bit output word, and a quarter byte
 written per element; the bits are those of the lanes.
@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -74,55 +73,8 @@ from unsplit._src.keys import check_key, is_typed_key
 LANE_BITS = 16
 LANES = 4  # 16-bit lanes per 64-bit threefry output
 LANE_VALUES = 1 << LANE_BITS
-_MAX_COUNTERS_1D = 1 << 32  # above this many counters, 64-bit index arithmetic
+MAX_COUNTERS_1D = 1 << 32  # above this many counters, 64-bit index arithmetic
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-
-
-def keep_threshold(rate: float) -> int:
-    """Returns the 16-bit keep threshold for a drop ``rate`` in ``[0, 1]``.
-
-    An element is kept iff its lane is below the threshold, so the keep
-    probability is ``keep_probability(keep_threshold(rate))``.
-
-    Args:
-        rate: the drop probability, a Python number in ``[0, 1]``.
-
-    Returns:
-        ``round((1 - rate) * 2**16)`` (halves round up), at least 1 when
-        ``rate < 1``: an int in ``[0, 2**16]``, 0 only for ``rate == 1``.
-
-    Example:
-        >>> from unsplit._src import random
-        >>> random.keep_threshold(0.1), random.keep_threshold(0.0), random.keep_threshold(1.0)
-        (58982, 65536, 0)
-        >>> random.keep_threshold(1 - 1e-6)  # never rounds to "drop everything"
-        1
-    """
-    rate = float(rate)
-    if rate >= 1.0:
-        return 0
-    return max(1, math.floor((1.0 - rate) * LANE_VALUES + 0.5))
-
-
-def keep_probability(threshold: int) -> float:
-    """The keep probability a threshold gives: ``threshold / 2**16`` (exact in float32).
-
-    Example:
-        >>> from unsplit._src import random
-        >>> random.keep_probability(random.keep_threshold(0.5))
-        0.5
-    """
-    return threshold / LANE_VALUES
-
-
-def keep_threshold_array(keep: jax.Array) -> jax.Array:
-    """:func:`keep_threshold` for a traced keep probability ``keep = 1 - rate`` (``uint32``).
-
-    ``keep`` is clipped to ``[0, 1]``; the rounding is done in float32.
-    """
-    scaled = jnp.clip(jnp.asarray(keep, jnp.float32), 0.0, 1.0) * np.float32(LANE_VALUES)
-    rounded = jnp.floor(scaled + np.float32(0.5)).astype(jnp.uint32)
-    return jnp.where(scaled > 0, jnp.maximum(rounded, np.uint32(1)), np.uint32(0))
 
 
 @jax.jit
@@ -178,28 +130,6 @@ def lanes16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return lanes16_from_data(key_data(key), tuple(shape))
 
 
-def keep_mask(key: jax.Array, shape: tuple[int, ...], rate: float) -> jax.Array:
-    """Returns a prefix-stable boolean keep mask (flat layout), ``True`` with probability ~``1 - rate``.
-
-    Args:
-        key: a threefry PRNG key of shape ``()``, or a legacy ``uint32[2]`` key.
-        shape: the mask shape.
-        rate: the drop probability, in ``[0, 1]`` (resolution ``2**-16``, see
-            the module docs).
-
-    Returns:
-        A ``bool`` array of ``shape``.
-
-    Example:
-        >>> import jax
-        >>> from unsplit._src import random
-        >>> mask = random.keep_mask(jax.random.key(0), (1000, 100), 0.25)
-        >>> round(float(mask.mean()), 2)
-        0.75
-    """
-    return lanes16(key, shape) < np.uint32(keep_threshold(rate))
-
-
 def grid_lanes16(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Returns 16-bit random values (as ``uint32``) of ``shape`` in the grid layout.
 
@@ -241,7 +171,7 @@ def lanes16_from_data(
     size = math.prod(shape)
     if size == 0:
         return jnp.zeros(shape, jnp.uint32)
-    if max(shape, default=0) > _MAX_COUNTERS_1D:
+    if max(shape, default=0) > MAX_COUNTERS_1D:
         raise ValueError(
             f"each axis of a dropout mask must have at most 2**32 elements; got {shape=}. "
             "Fix: reshape the input so no single axis is that long."
@@ -270,87 +200,25 @@ def grid_lanes16_from_data(
     every device draw only its own shard of the leading axes and rows.
     ``shared=True`` for a mask that is then broadcast (see :func:`_hash`).
     """
-    if math.prod(_check_grid(shape)) == 0:
+    if math.prod(check_grid(shape)) == 0:
         return jnp.zeros(shape, jnp.uint32, out_sharding=spec)
-    k0, k1, hi, lo, grid_spec = _grid_counters(data, shape, spec)
+    k0, k1, hi, lo, grid_spec = grid_counters(data, shape, spec)
     lanes = _lanes(*_hash(k0, k1, hi, lo, shared, data), grid_spec)
-    return _grid_cut(lanes, shape, spec, grid_spec)
+    return grid_cut(lanes, shape, spec, grid_spec)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
-def grid_keep_mask_from_data(
-    data: jax.Array,
-    shape: tuple[int, ...],
-    threshold: jax.typing.ArrayLike,
-    spec: jax.P | None = None,
-) -> jax.Array:
-    """``grid_lanes16_from_data(data, shape, spec) < threshold``: the same bits, drawn faster.
-
-    The hash's four lanes are compared in the loop that computes it and their
-    four keep bits packed into one byte, the only array written (a quarter of a
-    byte per element, instead of two 32-bit words per four elements, each word
-    written by its own loop over the 20 rounds); the consumer unpacks a bit per
-    element. Not for a ``shared`` mask (drawn by :func:`grid_lanes16_from_data`).
-    """
-    if math.prod(_check_grid(shape)) == 0:
-        return jnp.zeros(shape, jnp.bool_, out_sharding=spec)
-    k0, k1, hi, lo, grid_spec = _grid_counters(data, shape, spec)
-    mask = _packed_keep(k0, k1, hi, lo, threshold, data, grid_spec)
-    return _grid_cut(mask, shape, spec, grid_spec)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 3))
-def keep_mask_from_data(
-    data: jax.Array,
-    shape: tuple[int, ...],
-    threshold: jax.typing.ArrayLike,
-    spec: jax.P | None = None,
-) -> jax.Array:
-    """``lanes16_from_data(data, shape, spec) < threshold`` (flat layout), drawn packed.
-
-    As :func:`grid_keep_mask_from_data`: one hash loop writes the four keep bits
-    of each block in one byte. Shapes whose last axis is not a multiple of 4
-    take the lanes' path.
-    """
-    if not shape or shape[-1] % LANES or math.prod(shape) == 0 or max(shape) > _MAX_COUNTERS_1D:
-        return lanes16_from_data(data, shape, spec) < jnp.asarray(threshold, jnp.uint32)
-    grouped = (*shape[:-1], shape[-1] // LANES)
-    hi, lo = counter_words(grouped, spec=spec)
-    mask = _packed_keep(data[0], data[1], hi, lo, threshold, data, spec)
-    return mask.reshape(shape, out_sharding=spec)
-
-
-def _packed_keep(k0, k1, hi, lo, threshold, data: jax.Array, spec: jax.P | None) -> jax.Array:
-    """The keep bits of each hash's four lanes, ``bool[*hi.shape, 4]``, from one packed byte."""
-    w0, w1 = threefry2x32(k0, k1, hi, lo)
-    t, low = jnp.asarray(threshold, jnp.uint32), np.uint32(LANE_VALUES - 1)
-    lanes = ((w0 & low) < t, (w0 >> LANE_BITS) < t, (w1 & low) < t, (w1 >> LANE_BITS) < t)
-    packed = functools.reduce(
-        operator.or_, (bit.astype(jnp.uint8) << np.uint8(j) for j, bit in enumerate(lanes))
-    )
-    # A division by a runtime 1 (exact) keeps XLA from fusing the hash into the consumer,
-    # which reads each byte four times (see _hash).
-    one = lax.div(data[0] | np.uint32(1), data[0] | np.uint32(1)).astype(jnp.uint8)
-    packed = lax.div(packed, one)
-    lane_spec = None if spec is None else jax.P(*spec, None)
-    lane = lax.broadcasted_iota(
-        jnp.uint8, (*packed.shape, LANES), packed.ndim, out_sharding=lane_spec
-    )
-    return ((packed[..., None] >> lane) & np.uint8(1)).astype(jnp.bool_)
-
-
-def _check_grid(shape: tuple[int, ...]) -> tuple[int, ...]:
+def check_grid(shape: tuple[int, ...]) -> tuple[int, ...]:
     if len(shape) < 2:
         raise ValueError(f"the grid layout needs at least two axes (rows, cols); got {shape=}.")
     rows, cols = shape[-2:]
-    if rows > _MAX_COUNTERS_1D or -(-cols // LANES) > _MAX_COUNTERS_1D:
+    if rows > MAX_COUNTERS_1D or -(-cols // LANES) > MAX_COUNTERS_1D:
         raise ValueError(
             f"the grid layout takes at most 2**32 rows and 2**34 columns; got {shape=}."
         )
     return shape
 
 
-def _grid_counters(data: jax.Array, shape: tuple[int, ...], spec: jax.P | None):
+def grid_counters(data: jax.Array, shape: tuple[int, ...], spec: jax.P | None):
     """The grid layout's per-block key words and counters, and the spec of its blocks."""
     *lead, rows, cols = shape
     n = len(lead)
@@ -374,7 +242,7 @@ def _grid_counters(data: jax.Array, shape: tuple[int, ...], spec: jax.P | None):
     return k0, k1, hi, lo, grid_spec
 
 
-def _grid_cut(lanes: jax.Array, shape: tuple[int, ...], spec, grid_spec) -> jax.Array:
+def grid_cut(lanes: jax.Array, shape: tuple[int, ...], spec, grid_spec) -> jax.Array:
     """Per-block lanes ``[..., blocks, 4]`` as ``shape``: the blocks' lanes row-major, cut to the columns."""
     cols = shape[-1]
     width = lanes.shape[-2] * LANES
@@ -426,7 +294,7 @@ def counter_words(
     exceeds ``2**32``; ``wide=True`` forces it (for tests).
     """
     if wide is None:
-        wide = math.prod(shape) > _MAX_COUNTERS_1D
+        wide = math.prod(shape) > MAX_COUNTERS_1D
     hi = jnp.zeros(shape, jnp.uint32, out_sharding=spec)
     lo = jnp.zeros(shape, jnp.uint32, out_sharding=spec)
     for axis in range(len(shape)):

@@ -14,7 +14,7 @@ from jax.extend import random as jex_random
 from scipy import stats
 
 import unsplit
-from unsplit._src import random
+from unsplit._src import masks, random
 from unsplit._src import test_util as testing
 
 ALPHA = 1e-7  # false-failure probability of each single statistical check
@@ -97,8 +97,8 @@ def test_grid_heads_and_rows_are_independent():
     """
     rate = 0.5
     mask = np.asarray(random.grid_lanes16(jax.random.key(600), (2, 512, 512)))
-    mask = mask < random.keep_threshold(rate)
-    p = random.keep_threshold(rate) / 2**16
+    mask = mask < masks.keep_threshold(rate)
+    p = masks.keep_threshold(rate) / 2**16
     pairs = [(mask[0], mask[1]), (mask[0, ::2], mask[0, 1::2]), (mask[1, :, ::2], mask[1, :, 1::2])]
     for a, b in pairs:
         statistic = _pair_statistic(a.ravel(), b.ravel(), p)
@@ -109,7 +109,7 @@ def test_grid_heads_and_rows_are_independent():
 
 
 def test_golden_mask_bits_pinned():
-    mask = np.asarray(random.keep_mask(jax.random.key(42), (4, 8), 0.5))
+    mask = np.asarray(masks.keep_mask(jax.random.key(42), (4, 8), 0.5))
     rows = [int("".join(str(int(b)) for b in row), 2) for row in mask]
     assert rows == GOLDEN_MASK_ROWS_KEY42
 
@@ -157,12 +157,12 @@ def test_edge_shapes():
     key = jax.random.key(0)
     assert random.lanes16(key, (0, 5)).shape == (0, 5)
     assert int(random.lanes16(key, ())) == GOLDEN_LANES_KEY0[0]
-    assert random.keep_mask(key, (3, 0), 0.5).dtype == jnp.bool_
+    assert masks.keep_mask(key, (3, 0), 0.5).dtype == jnp.bool_
 
 
 def test_one_hash_per_four_elements():
     """The speed design: threefry runs on size/4 counters (jax.random.bernoulli: size)."""
-    jaxpr = jax.make_jaxpr(lambda k: random.keep_mask(k, (64, 128), 0.1))(jax.random.key(0))
+    jaxpr = jax.make_jaxpr(lambda k: masks.keep_mask(k, (64, 128), 0.1))(jax.random.key(0))
     assert testing.threefry_sizes(jaxpr.jaxpr) == [64 * 128 // 4]
     # The grid layout: one hash per (batch, head) coordinate to fold it in, then one per 4.
     grid = jax.make_jaxpr(lambda k: random.grid_lanes16(k, (2, 8, 64, 128)))(jax.random.key(0))
@@ -179,26 +179,26 @@ def test_written_out_threefry_equals_jax():
 
 
 def test_keep_threshold_resolution():
-    assert random.keep_threshold(0.0) == 2**16
-    assert random.keep_threshold(1.0) == 0
-    assert random.keep_threshold(0.5) == 2**15
+    assert masks.keep_threshold(0.0) == 2**16
+    assert masks.keep_threshold(1.0) == 0
+    assert masks.keep_threshold(0.5) == 2**15
     for rate in np.linspace(0.0, 1.0, 1001):
-        assert abs(random.keep_threshold(rate) / 2**16 - (1 - rate)) <= 2**-17
+        assert abs(masks.keep_threshold(rate) / 2**16 - (1 - rate)) <= 2**-17
     # Near rate 1 the threshold never rounds to 0 (which would drop everything and bias
     # the expectation); near rate 0 it may round to 2**16 (keep all, scale 1: unbiased).
     for rate in [1 - 2**-17, 1 - 1e-6, 1 - 1e-9]:
-        assert random.keep_threshold(rate) == 1
-    assert random.keep_threshold(1e-6) == 2**16
+        assert masks.keep_threshold(rate) == 1
+    assert masks.keep_threshold(1e-6) == 2**16
 
 
 def test_traced_threshold_equals_the_python_one():
     rates = np.concatenate([np.linspace(0, 1, 257), [1e-6, 1 - 1e-6, 0.1, 0.3, 0.999]])
     keep = (1 - rates).astype(np.float32)
-    got = np.asarray(jax.jit(random.keep_threshold_array)(keep))
-    want = [random.keep_threshold(1 - float(k)) for k in keep]
+    got = np.asarray(jax.jit(masks.keep_threshold_array)(keep))
+    want = [masks.keep_threshold(1 - float(k)) for k in keep]
     np.testing.assert_array_equal(got, want)
-    assert int(random.keep_threshold_array(jnp.float32(1.5))) == 2**16  # clipped
-    assert int(random.keep_threshold_array(jnp.float32(-0.5))) == 0
+    assert int(masks.keep_threshold_array(jnp.float32(1.5))) == 2**16  # clipped
+    assert int(masks.keep_threshold_array(jnp.float32(-0.5))) == 0
 
 
 def test_wide_multiply_matches_python_integers():
@@ -238,8 +238,8 @@ def test_rbg_keys_are_refused():
 def test_keep_fraction_is_binomial(rate):
     """Kept count ~ Binomial(n, T / 2**16); exact two-sided interval. False failure: 1e-7."""
     n = 2**20
-    kept = int(jnp.sum(random.keep_mask(jax.random.key(100), (n // 1024, 1024), rate)))
-    p = random.keep_threshold(rate) / 2**16
+    kept = int(jnp.sum(masks.keep_mask(jax.random.key(100), (n // 1024, 1024), rate)))
+    p = masks.keep_threshold(rate) / 2**16
     low, high = stats.binom.interval(1 - ALPHA, n, p)
     assert low <= kept <= high, (kept, n * p)
 
@@ -252,10 +252,10 @@ def test_four_lanes_of_a_block_are_independent(rate):
     asymptotic law is accurate). False failure: 1e-7 per rate.
     """
     blocks = 2**18
-    mask = np.asarray(random.keep_mask(jax.random.key(200), (blocks, 4), rate))
+    mask = np.asarray(masks.keep_mask(jax.random.key(200), (blocks, 4), rate))
     pattern = mask @ np.array([1, 2, 4, 8])
     observed = np.bincount(pattern, minlength=16)
-    p = random.keep_threshold(rate) / 2**16
+    p = masks.keep_threshold(rate) / 2**16
     ones = np.array([bin(k).count("1") for k in range(16)])
     expected = blocks * p**ones * (1 - p) ** (4 - ones)
     statistic = float(np.sum((observed - expected) ** 2 / expected))
@@ -276,8 +276,8 @@ def test_neighbours_are_independent():
     Seven chi-square checks (3 dof) at 1e-7 each: false failure <= 7e-7.
     """
     rate = 0.4
-    p = random.keep_threshold(rate) / 2**16
-    flat = np.asarray(random.keep_mask(jax.random.key(300), (2**20,), rate))
+    p = masks.keep_threshold(rate) / 2**16
+    flat = np.asarray(masks.keep_mask(jax.random.key(300), (2**20,), rate))
     for lag in [1, 2, 3, 4, 5, 8, 512]:
         usable = flat[: flat.size // (2 * lag) * (2 * lag)].reshape(-1, 2, lag)
         statistic = _pair_statistic(usable[:, 0].ravel(), usable[:, 1].ravel(), p)
@@ -288,9 +288,9 @@ def test_examples_keys_give_independent_masks():
     """Masks of adjacent example ids, element by element. Three checks: false failure <= 3e-7."""
     rate = 0.5
     keys = unsplit.example_keys(jax.random.key(400), jnp.arange(4))
-    masks = np.asarray(jax.vmap(lambda k: random.keep_mask(k, (512, 512), rate))(keys))
+    drawn = np.asarray(jax.vmap(lambda k: masks.keep_mask(k, (512, 512), rate))(keys))
     for i in range(3):
-        statistic = _pair_statistic(masks[i].ravel(), masks[i + 1].ravel(), 0.5)
+        statistic = _pair_statistic(drawn[i].ravel(), drawn[i + 1].ravel(), 0.5)
         assert statistic < stats.chi2.isf(ALPHA, 3), (i, statistic)
 
 
@@ -311,10 +311,10 @@ def test_grid_keep_mask_is_the_lanes_below_the_threshold():
         lanes = random.grid_lanes16_from_data(data, shape)
         for threshold in [0, 1, 58982, 2**15, 2**16]:
             want = np.asarray(lanes) < threshold
-            got = random.grid_keep_mask_from_data(data, shape, np.uint32(threshold))
+            got = masks.grid_keep_mask_from_data(data, shape, np.uint32(threshold))
             assert got.dtype == jnp.bool_
             np.testing.assert_array_equal(got, want)
-    traced = jax.jit(random.grid_keep_mask_from_data, static_argnums=1)
+    traced = jax.jit(masks.grid_keep_mask_from_data, static_argnums=1)
     shape = (3, 9, 13)
     want = np.asarray(random.grid_lanes16_from_data(data, shape)) < 40000
     np.testing.assert_array_equal(traced(data, shape, jnp.uint32(40000)), want)
@@ -326,6 +326,6 @@ def test_flat_keep_mask_is_the_lanes_below_the_threshold():
     for shape in [(64, 128), (3, 5, 8), (4,), (6, 7), (5,), (), (0, 8)]:
         lanes = np.asarray(random.lanes16_from_data(data, shape))
         for threshold in [0, 1, 58982, 2**16]:
-            got = random.keep_mask_from_data(data, shape, np.uint32(threshold))
+            got = masks.keep_mask_from_data(data, shape, np.uint32(threshold))
             assert got.dtype == jnp.bool_ and got.shape == shape
             np.testing.assert_array_equal(got, lanes < threshold)

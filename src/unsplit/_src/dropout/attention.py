@@ -22,7 +22,7 @@ mask, which comes from :func:`attention_dropout`:
   coordinate 0 of each shared axis);
 * one threefry hash serves four weights; its four keep bits are packed into a
   byte in the hash's own loop (a quarter byte per weight is all that is
-  written, see :func:`unsplit._src.random.grid_keep_mask_from_data`), and the
+  written, see :func:`unsplit._src.masks.grid_keep_mask_from_data`), and the
   backward pass draws the mask again instead of saving it (when forward and
   backward are one program, XLA computes the packed bits once for both);
 * kept weights are divided by the keep probability the 16-bit threshold gives,
@@ -50,7 +50,7 @@ from flax.nnx.nn import attention as nnx_attention
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
-from unsplit._src import random
+from unsplit._src import masks, random
 from unsplit._src.dropout.functional import MaskLayout, check_rate, masked, sharding_specs
 
 Array = jax.Array
@@ -91,8 +91,8 @@ def attention_dropout(
         shape = (1,) * (weights.ndim - 2) + tuple(weights.shape[-2:])
     else:
         shape = tuple(weights.shape)
-    threshold = random.keep_threshold(rate)
-    scaled = weights / jnp.asarray(random.keep_probability(threshold), dtype)
+    threshold = masks.keep_threshold(rate)
+    scaled = weights / jnp.asarray(masks.keep_probability(threshold), dtype)
     return masked(
         data, np.uint32(threshold), scaled, MaskLayout(True, shape, *sharding_specs(scaled, shape))
     )

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit import linen as ulinen
 from unsplit import nnx as unnx
-from unsplit._src import random
+from unsplit._src import masks, random
 from unsplit._src import test_util as testing
 from unsplit._src.dropout import attention
 from unsplit._src.dropout.attention import attention_dropout
@@ -60,7 +60,7 @@ def reference(api, q, k, v, key, rate, broadcast, **kwargs):
     )
     weights = weights_fn(q, k, deterministic=True, **kwargs)
     shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast else weights.shape
-    threshold = random.keep_threshold(rate)
+    threshold = masks.keep_threshold(rate)
     mask = random.grid_lanes16(key, shape) < threshold
     dropped = jnp.where(mask, weights / (threshold / 2**16), 0.0)
     return jnp.einsum("...hqk,...khd->...qhd", dropped, v)
@@ -134,7 +134,7 @@ def test_vmap_over_example_keys_equals_one_example_at_a_time():
 
 @pytest.mark.parametrize("rate", [0.1, 0.999, 1 - 1e-6])
 def test_kept_weights_are_scaled_by_the_keep_probability_used(rate):
-    p = random.keep_threshold(rate) / 2**16
+    p = masks.keep_threshold(rate) / 2**16
     y = attention_dropout(
         KEY, jnp.ones((4, 256, 256)), rate, broadcast_dropout=False, dtype=jnp.float32
     )

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from unsplit._src import random
+from unsplit._src import masks, random
 from unsplit._src.dropout.functional import MaskLayout, check_rate, masked, sharding_specs
 
 _NO_KEY = (
@@ -100,11 +100,11 @@ def equinox_dropout(key: Any, x: Any, p: Any) -> jax.Array:
     """Equinox's draw, ``where(mask, x / (1 - p), 0)``, with unsplit's mask; ``p`` may be traced."""
     q = 1 - lax.stop_gradient(p)  # Equinox's keep probability: its dtype sets the output's
     if isinstance(p, jax.core.Tracer):
-        threshold = random.keep_threshold_array(q)
+        threshold = masks.keep_threshold_array(q)
         divisor = jnp.maximum(threshold, np.uint32(1)).astype(jnp.float32) / random.LANE_VALUES
     else:
-        threshold = np.uint32(random.keep_threshold(check_rate(p)))
-        divisor = random.keep_probability(max(int(threshold), 1))  # p == 1: all dropped anyway
+        threshold = np.uint32(masks.keep_threshold(check_rate(p)))
+        divisor = masks.keep_probability(max(int(threshold), 1))  # p == 1: all dropped anyway
     data = random.key_data(key)
     x = jnp.asarray(x)
     dtype = jnp.result_type(x, q)

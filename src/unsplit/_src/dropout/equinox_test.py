@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from unsplit import equinox as ueqx
-from unsplit._src import random
+from unsplit._src import masks
 
 LAYERS = [pytest.param(eqx.nn.Dropout, id="equinox"), pytest.param(ueqx.Dropout, id="unsplit")]
 X = jax.random.normal(jax.random.key(0), (3, 4, 5))
@@ -147,7 +147,7 @@ def parameters(fn):
 
 def test_bits_are_unsplit_prefix_stable_mask():
     y = ueqx.Dropout(0.3)(jnp.ones((4, 8)), key=KEY)
-    np.testing.assert_array_equal(y != 0, random.keep_mask(KEY, (4, 8), 0.3))
+    np.testing.assert_array_equal(y != 0, masks.keep_mask(KEY, (4, 8), 0.3))
     long = ueqx.Dropout(0.3)(jnp.ones((9, 8)), key=KEY)
     np.testing.assert_array_equal(long[:4], y)
 

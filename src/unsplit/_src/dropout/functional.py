@@ -13,7 +13,7 @@ the input itself and ``rate == 1`` returns zeros (no draw, no NaN gradients);
 kept elements are divided by the keep probability in ``x``'s dtype;
 ``broadcast_dims`` share one mask along those axes (the mask is drawn with
 those axes of size 1). The keep probability is the one the 16-bit threshold
-actually gives (``random.keep_probability``), so ``E[dropout(x)] == x``
+actually gives (``masks.keep_probability``), so ``E[dropout(x)] == x``
 exactly at every rate (see :mod:`unsplit._src.random` for the resolution).
 """
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from unsplit._src import random
+from unsplit._src import masks, random
 
 
 class MaskLayout(NamedTuple):
@@ -114,14 +114,14 @@ def layer_dropout(
 
 def _scale(x: jax.Array, rate: float) -> jax.Array:
     # A Python float divisor keeps x's dtype, as flax's ``inputs / keep_prob``.
-    return x / random.keep_probability(random.keep_threshold(rate))
+    return x / masks.keep_probability(masks.keep_threshold(rate))
 
 
 def flat_dropout(
     data: jax.Array, x: jax.Array, rate: float, shape: tuple[int, ...], *, scaled: bool = False
 ) -> jax.Array:
     """``select(mask, x / p, 0)`` in the flat layout, for ``0 < rate < 1`` (``x / p`` given if scaled)."""
-    threshold = random.keep_threshold(rate)
+    threshold = masks.keep_threshold(rate)
     if not scaled:
         x = _scale(x, rate)
     x_spec, spec = sharding_specs(x, shape)
@@ -164,12 +164,12 @@ masked.defvjp(_masked_fwd, _masked_bwd)
 def _select(data: jax.Array, threshold: Any, x: jax.Array, layout: MaskLayout) -> jax.Array:
     shared = layout.shape != x.shape  # a broadcast mask: drawn once at its own shape
     if layout.grid and not shared:
-        mask = random.grid_keep_mask_from_data(data, layout.shape, threshold, layout.spec)
+        mask = masks.grid_keep_mask_from_data(data, layout.shape, threshold, layout.spec)
     elif layout.grid:
         lanes = random.grid_lanes16_from_data(data, layout.shape, layout.spec, shared)
         mask = lanes < jnp.asarray(threshold, jnp.uint32)
     elif not shared:
-        mask = random.keep_mask_from_data(data, layout.shape, threshold, layout.spec)
+        mask = masks.keep_mask_from_data(data, layout.shape, threshold, layout.spec)
     else:
         lanes = random.lanes16_from_data(data, layout.shape, layout.spec, shared)
         mask = lanes < jnp.asarray(threshold, jnp.uint32)

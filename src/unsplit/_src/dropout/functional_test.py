@@ -13,7 +13,7 @@ import unsplit
 from unsplit import equinox as ueqx
 from unsplit import linen as ulinen
 from unsplit import nnx as unnx
-from unsplit._src import random
+from unsplit._src import masks
 from unsplit._src.dropout.functional import BroadcastDimsError, dropout
 
 KEY = jax.random.key(0)
@@ -36,10 +36,10 @@ def test_scaling_and_dtype_like_flax(dtype):
     x = X.astype(dtype) + jnp.asarray(5, dtype)  # no exact zeros in x
     y = jax.jit(dropout, static_argnums=2)(KEY, x, 0.3)
     assert y.dtype == dtype and y.shape == x.shape
-    mask = np.asarray(random.keep_mask(KEY, x.shape, 0.3))
+    mask = np.asarray(masks.keep_mask(KEY, x.shape, 0.3))
     np.testing.assert_array_equal(kept(y), mask)
     # As flax, inputs / keep_prob in x's dtype; keep_prob is the one the threshold gives.
-    keep = random.keep_threshold(0.3) / 2**16
+    keep = masks.keep_threshold(0.3) / 2**16
     assert keep != 0.7 and abs(keep - 0.7) <= 2**-17
     want = jax.jit(lambda x: x / keep)(x)
     np.testing.assert_array_equal(np.asarray(y)[mask], np.asarray(want)[mask])
@@ -72,7 +72,7 @@ def test_expectation_is_exact_at_every_rate(rate):
     on the values every drop-in produces, and on the kept fraction (binomial
     interval, false failure 1e-7 per case).
     """
-    threshold = random.keep_threshold(rate)
+    threshold = masks.keep_threshold(rate)
     p = threshold / 2**16
     assert threshold >= 1 and abs(p * np.float32(1 / np.float32(p)) - 1) <= 2**-23
     x = jnp.ones((256, 1024))
@@ -111,7 +111,7 @@ def test_broadcast_dims_share_the_mask():
     x = jnp.ones((4, 8, 16))
     y = np.asarray(dropout(KEY, x, 0.5, broadcast_dims=(0, -1)))
     assert np.all(y == y[:1, :, :1])
-    mask = np.asarray(random.keep_mask(KEY, (1, 8, 1), 0.5))
+    mask = np.asarray(masks.keep_mask(KEY, (1, 8, 1), 0.5))
     np.testing.assert_array_equal(y != 0, np.broadcast_to(mask, x.shape))
 
 
@@ -124,7 +124,7 @@ def test_prefix_stable_when_the_input_is_padded_longer():
 def test_gradient_regenerates_the_same_mask():
     w = jax.random.normal(jax.random.key(2), X.shape)
     grad = jax.jit(jax.grad(lambda x: jnp.sum(dropout(KEY, x, 0.25) * w)))(X)
-    mask = np.asarray(random.keep_mask(KEY, X.shape, 0.25))
+    mask = np.asarray(masks.keep_mask(KEY, X.shape, 0.25))
     want = np.where(mask, np.asarray(jax.jit(lambda w: w / 0.75)(w)), 0.0)
     np.testing.assert_array_equal(grad, want)
     # No mask-sized residual: the backward pass draws it again from the key.

@@ -20,7 +20,7 @@ import pytest
 from flax import errors as flax_errors
 
 from unsplit import linen as ulinen
-from unsplit._src import random
+from unsplit._src import masks
 
 LAYERS = [pytest.param(nn.Dropout, id="flax"), pytest.param(ulinen.Dropout, id="unsplit")]
 KEY = jax.random.key(0)
@@ -222,7 +222,7 @@ def test_dtypes_and_shapes_like_flax(dtype):
     assert outs[0].dtype == outs[1].dtype == dtype and outs[0].shape == outs[1].shape
     # Kept values are x / keep_prob in x's dtype; unsplit's keep_prob is the threshold's.
     ours = np.asarray(outs[1])
-    want = np.asarray(x / (random.keep_threshold(0.3) / 2**16))
+    want = np.asarray(x / (masks.keep_threshold(0.3) / 2**16))
     np.testing.assert_array_equal(ours[ours != 0], want[ours != 0])
 
 
