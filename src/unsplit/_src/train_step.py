@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import optax
 
+from unsplit._src import frozen as frozen_lib
 from unsplit._src.array_jit import ArrayJit, with_static, without_static
 from unsplit._src.canonical_update import CanonicalUpdate, GroupedUpdate
 from unsplit._src.step import validate
@@ -58,7 +59,10 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         donated: do not use the arrays you passed in after the call. In bitwise
         mode they are not: the update runs on copies gathered onto one device per
         process (with ``chunk_axes``, on each group's shards), and the arrays you
-        passed in stay valid until you drop them.
+        passed in stay valid until you drop them. Both forms take
+        ``frozen=`` (keyword): frozen inputs passed to the step
+        (``loss_fn(params, example, key, frozen)``); the optimizer sees the
+        params only, and ``frozen`` is never donated.
 
         Default mode is one ``jax.jit``: params and optimizer state that are not on
         the step's mesh yet (fresh ``jnp`` arrays) come back placed on it, so the
@@ -121,13 +125,13 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
 
     if not step.bitwise:
 
-        def fused(params, opt_state, batch, key, ids=None):
-            out, grads = step(params, batch, key, ids)
+        def fused(params, opt_state, batch, key, ids=None, frozen=None):
+            out, grads = step(params, batch, key, ids, frozen=frozen)
             params, opt_state = update(params, opt_state, grads)
             return out, params, opt_state
 
-        def fused_state(state, batch, key, ids=None):
-            out, grads = step(state.params, batch, key, ids)
+        def fused_state(state, batch, key, ids=None, frozen=None):
+            out, grads = step(state.params, batch, key, ids, frozen=frozen)
             return out, update_state(state, grads)
 
         return _Train(
@@ -206,9 +210,9 @@ class _Train:
                     "train_step was given an optimizer and the TrainState has another tx. "
                     "Fix: pass one of them: unsplit.train_step(step) uses state.tx."
                 )
-            if len(args) + len(kwargs) not in (3, 4):
+            if len(args) + len(kwargs) - ("frozen" in kwargs) not in (3, 4):
                 raise TypeError(
-                    "with a TrainState, call train(state, batch, key, ids=None); got "
+                    "with a TrainState, call train(state, batch, key, ids=None, *, frozen=None); got "
                     f"{len(args)} positional and {len(kwargs)} keyword arguments."
                 )
             return self.with_state(*args, **kwargs)
@@ -230,23 +234,35 @@ class _BitwiseTrain:
         self.step = step
         self._returned: Any = None  # the params this function returned last
         self._state: Any = None
+        self._frozen: tuple[Any, Any] = (None, None)  # the frozen given last, and as placed
 
-    def grads(self, params, batch, key, ids):
-        """The step's (out, grads, params); params re-placed only when they are new."""
+    def grads(self, params, batch, key, ids, frozen=None):
+        """The step's (out, grads, params); params (and frozen) re-placed only when new."""
         step = self.step
         batch, ids = step.group(batch, ids)
-        ids = step.check_inputs(params, batch, key, ids)
+        ids = step.check_inputs(params, batch, key, ids, frozen=frozen)
         leaves = jax.tree.leaves(batch)
         signature = (
             jax.tree.structure(batch),
             tuple((np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype) for x in leaves),
             (np.shape(key), key.dtype),
         )
-        if params is not self._returned or self._state is None or self._state[0] != signature:
-            state, params = step.engine.prepare(params, batch, key)
+        new_frozen = frozen is not self._frozen[0]
+        if (
+            params is not self._returned
+            or new_frozen
+            or self._state is None
+            or self._state[0] != signature
+        ):
+            # Frozen inputs travel with the params (placed, packed), never differentiated.
+            state, both = step.engine.prepare(frozen_lib.combine(params, frozen), batch, key)
+            params = frozen_lib.params_of(both)
+            self._frozen = (frozen, frozen_lib.frozen_of(both))
             self._state = (signature, state)
         batch = step.engine.place_batch(batch)
-        loss, grads, aux, weight = self._state[1].run(params, batch, key, ids)
+        both = frozen_lib.combine(params, self._frozen[1])
+        loss, grads, aux, weight = self._state[1].run(both, batch, key, ids)
+        grads = frozen_lib.params_of(grads)
         if step.checked:
             validate.check_result(loss, weight)
         out = (loss, aux) if step.has_aux else loss
@@ -275,20 +291,20 @@ class _BitwiseTrain:
 
         return jax.tree.map(place, tree)
 
-    def __call__(self, update, params, opt_state, batch, key, ids: Any = None):
+    def __call__(self, update, params, opt_state, batch, key, ids: Any = None, *, frozen=None):
         if params is not self._returned:
             params, opt_state = self.on_step_mesh((params, opt_state))
-        out, grads, params = self.grads(params, batch, key, ids)
+        out, grads, params = self.grads(params, batch, key, ids, frozen)
         # The update needs no non-array leaf (an Equinox module's activation): it gets None.
         new, opt_state = update(without_static(params), opt_state, grads)
         params = with_static(new, params)
         self._returned = params
         return out, params, opt_state
 
-    def with_state(self, update_state, state, batch, key, ids: Any = None):
+    def with_state(self, update_state, state, batch, key, ids: Any = None, *, frozen=None):
         if state.params is not self._returned:
             state = self.on_step_mesh(state)
-        out, grads, params = self.grads(state.params, batch, key, ids)
+        out, grads, params = self.grads(state.params, batch, key, ids, frozen)
         if params is not state.params:
             state = state.replace(params=params)
         (state,) = update_state(state, grads)

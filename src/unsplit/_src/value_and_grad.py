@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from unsplit._src import frozen as frozen_lib
 from unsplit._src import keys as keys_lib
 from unsplit._src.audit import finding as audit_finding
 from unsplit._src.audit import loss as audit_loss
@@ -205,6 +206,7 @@ class Step:
         self.checked = validate.check_flag("checked", checked)
         self._agreed = False  # several processes: agreed on the first call
         self._audited = False
+        self._frozen_checked: set[bool] = set()
         if self.bitwise:
             from unsplit._src.bitwise import step as bitwise_lib
 
@@ -279,7 +281,9 @@ class Step:
             "mesh": self.mesh,
         }
 
-    def check_inputs(self, params: Any, batch: Any, key: jax.Array, ids: Any = None) -> Any:
+    def check_inputs(
+        self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, frozen: Any = None
+    ) -> Any:
         """Checks a call's inputs; returns the ids as the step's engine takes them.
 
         Shapes, dtypes and the schedule are checked on the host (no device
@@ -290,25 +294,40 @@ class Step:
         :mod:`unsplit._src.step.default`). The first call also audits the loss
         (see ``audit=``). ``step(...)`` runs this first.
         """
+        self._check_frozen(frozen)
         if self.bitwise:
-            validate.refuse_bitwise_in_jit(params, batch, key, ids)
-        ids = self._checked(params, batch, key, ids)
-        self._audit_once(params, batch, key)
+            validate.refuse_bitwise_in_jit(params, batch, key, ids, frozen)
+        ids = self._checked(params, batch, key, ids, frozen)
+        self._audit_once(params, batch, key, frozen)
         return ids
+
+    def _check_frozen(self, frozen: Any) -> None:
+        """The user's functions take ``frozen`` last exactly when it is given (checked once)."""
+        given = frozen is not None
+        if given in self._frozen_checked:
+            return
+        if self.spec.coupled:
+            frozen_lib.check_arity(self.loss_fn, "features_fn", "params, example, key", 3, given)
+            frozen_lib.check_arity(self.batch_loss, "batch_loss", "params, features", 2, given)
+        else:
+            frozen_lib.check_arity(self.loss_fn, "loss_fn", "params, example, key", 3, given)
+        self._frozen_checked.add(given)
 
     @property
     def engine(self) -> Any:
         """What runs this step's mode: default mode's program, or bitwise mode's programs."""
         return self._impl
 
-    def _checked(self, params: Any, batch: Any, key: jax.Array, ids: Any) -> Any:
+    def _checked(self, params: Any, batch: Any, key: jax.Array, ids: Any, frozen=None) -> Any:
         """Validates the inputs; on a multi-process first call, also agrees on them."""
         if self._agreed or not agreement.needed() or validate.is_traced(params, batch, key, ids):
             return self._validated(batch, key, ids)
         what = f"the first call of {self!r}"
         with agreement.agreeing(what, fixes=agreement.STEP_FIXES) as items:
             ids = self._validated(batch, key, ids)
-            items.update(agreement.step_items(self.settings(), params, batch, key, ids))
+            items.update(
+                agreement.step_items(self.settings(), params, batch, key, ids, frozen=frozen)
+            )
         self._agreed = True
         return ids
 
@@ -323,7 +342,7 @@ class Step:
         keys_lib.check_key(key)
         return validate.ids_words(ids, batch_size)
 
-    def _audit_once(self, params: Any, batch: Any, key: jax.Array) -> None:
+    def _audit_once(self, params: Any, batch: Any, key: jax.Array, frozen: Any = None) -> None:
         """First call: trace the loss on one example and refuse schedule-dependent noise."""
         if self._audited:
             return
@@ -332,13 +351,13 @@ class Step:
         )
         kinds = None if self.audit else ("foreign_key",)
         findings = audit_loss.audit_loss(
-            self.loss_fn, params, example, key, weighted=self.weighted, kinds=kinds
+            self.loss_fn, params, example, key, weighted=self.weighted, kinds=kinds, frozen=frozen
         )
         errors = {f.kind for f in findings} - {"audit_error"} if self.audit else {"foreign_key"}
         audit_finding.raise_for(findings, kinds=errors)
         self._audited = True
 
-    def lower(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
+    def lower(self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, frozen=None):
         """The compiled program a call with these inputs runs, lowered (default mode).
 
         Like ``jax.jit(f).lower(...)``: ``step.lower(...).compile()`` gives its
@@ -353,7 +372,9 @@ class Step:
                 "lower() on a bitwise=False step to inspect its program."
             )
         batch, ids = self.group(batch, ids)
-        return self._impl.lower(params, batch, key, self._checked(params, batch, key, ids))
+        self._check_frozen(frozen)
+        ids = self._checked(params, batch, key, ids, frozen)
+        return self._impl.lower(frozen_lib.combine(params, frozen), batch, key, ids)
 
     def group(self, batch: Any, ids: Any = None) -> tuple[Any, Any]:
         """With ``group_size``: the row batch and row ids as the group batch and group ids
@@ -364,11 +385,14 @@ class Step:
         shares = self.num_devices * (1 if self.bitwise else self.microbatches)
         return groups.group_rows(batch, ids, self.group_size, shares=shares)
 
-    def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
+    def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, frozen=None):
         with memory_hint(self):  # also the first call's transfers and compiles
             batch, ids = self.group(batch, ids)
-            ids = self.check_inputs(params, batch, key, ids)
-            loss, grads, aux, weight = self._impl(params, batch, key, ids)
+            ids = self.check_inputs(params, batch, key, ids, frozen=frozen)
+            # Frozen inputs travel with the params (never differentiated); grads are params'.
+            both = frozen_lib.combine(params, frozen)
+            loss, grads, aux, weight = self._impl(both, batch, key, ids)
+            grads = frozen_lib.params_of(grads)
         if self.checked:
             validate.check_result(loss, weight)
         if self.has_aux:
