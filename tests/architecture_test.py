@@ -16,7 +16,7 @@ PRIVATE = SRC / "unsplit" / "_src"
 
 # The floors of unsplit._src, bottom first: a module may import its own floor and those below.
 FLOORS = (
-    ("rule and bits", {"keys", "random", "partition", "trees", "extras"}),
+    ("rule and bits", {"keys", "random", "partition", "trees", "extras", "frozen"}),
     ("processes", {"processes"}),
     ("audit", {"audit"}),
     ("step", {"step"}),

@@ -131,6 +131,12 @@ def value_and_grad(
         is a pytree whose leaves all have the global batch size ``B`` as
         leading axis; ``ids`` (shape ``(B,)``, default ``arange(B)``) are the
         examples' global ids.
+        ``step(params, batch, key, ids=None, frozen=frozen)`` (keyword) passes
+        frozen inputs (a text encoder, a LoRA base model; any pytree): the loss
+        is then ``loss_fn(params, example, key, frozen)`` (``features_fn`` and
+        ``batch_loss`` take it last too); ``frozen`` is never differentiated,
+        keeps its shardings and is an argument of the compiled programs, never
+        a constant (``docs/models.md``, Frozen inputs).
 
     Example:
         >>> import jax, jax.numpy as jnp, unsplit
