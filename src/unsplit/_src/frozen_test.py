@@ -161,6 +161,13 @@ def test_bitwise_fsdp_groups_keep_frozen_sharded_over_the_chunk_axes():
     # The frozen leaves (after the params') keep their fsdp specs inside each group.
     assert plan.structure.diff == (True, True, False, False)
     assert P(None, "fsdp") in plan.local_specs[2:] and P("fsdp") in plan.local_specs[2:]
+    # The train step's update (on each group's shards) sees the adapters only.
+    optimizer = optax.sgd(0.1)
+    train = unsplit.train_step(step, optimizer)
+    params = jax.tree.map(jnp.copy, adapter)
+    _, params, _ = train(params, optimizer.init(params), x, key, frozen=frozen)
+    assert close(params, jax.tree.map(lambda p, g: p - 0.1 * g, adapter, want_grads))
+    assert frozen["w"].sharding.spec == P(None, "fsdp")
 
 
 @pytest.mark.parametrize("bitwise", [False, True])
