@@ -305,3 +305,23 @@ def test_combined_params_mark_frozen_leaves_not_differentiated():
     assert structure.diff == (False, True, False)
     grads = frozen_lib.params_of(structure.grads_tree([jnp.ones(2)]))
     assert grads["n"] is None and grads["w"].shape == (2,)
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_a_tensor_parallel_frozen_keeps_its_model_axis(bitwise):
+    adapter, base, x = make()
+    key = jax.random.key(5)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    frozen = {
+        "w": jax.device_put(base["w"], NamedSharding(mesh, P(None, "model"))),
+        "b": jax.device_put(base["b"], NamedSharding(mesh, P("model"))),
+    }
+    chunk = {"chunk_size": 4} if bitwise else {}
+    step = unsplit.value_and_grad(lora_loss, mesh=mesh, batch_axes="data", bitwise=bitwise, **chunk)
+    loss, grads = step(adapter, x, key, frozen=frozen)
+    want_loss, want_grads = reference(lora_loss, adapter, x, key, base)
+    assert close(loss, want_loss) and close(grads, want_grads)
+    if bitwise:  # the model axis makes groups of 2 devices, each keeping its frozen shards
+        (state,) = step.engine._plans.values()
+        assert state.plan.group_axes == ("model",)
+        assert state.plan.local_specs[2:] == (P("model"), P(None, "model"))
