@@ -212,7 +212,7 @@ class _Train:
                 )
             if len(args) + len(kwargs) - ("frozen" in kwargs) not in (3, 4):
                 raise TypeError(
-                    "with a TrainState, call train(state, batch, key, ids=None, *, frozen=None); got "
+                    "with a TrainState, call train(state, batch, key, ids=None) (and frozen=...); got "
                     f"{len(args)} positional and {len(kwargs)} keyword arguments."
                 )
             return self.with_state(*args, **kwargs)
