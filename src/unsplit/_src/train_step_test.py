@@ -259,7 +259,7 @@ def test_tensor_parallel_runs_end_in_the_same_bits_for_every_data_parallel_degre
 def test_out_of_memory_on_the_first_call_gets_the_microbatches_hint(monkeypatch, bitwise):
     step = unsplit.value_and_grad(loss_fn, microbatches=2, bitwise=bitwise)
 
-    def exhausted(*args):  # as a compile or a transfer of the first call reports it
+    def exhausted(*args, **kwargs):  # as a compile or a transfer of the first call reports it
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
 
     monkeypatch.setattr(step, "check_inputs", exhausted)
