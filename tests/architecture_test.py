@@ -18,7 +18,10 @@ PRIVATE = SRC / "unsplit" / "_src"
 
 # The floors of unsplit._src, bottom first: a module may import its own floor and those below.
 FLOORS = (
-    ("rule and bits", {"keys", "random", "masks", "partition", "trees", "extras", "links"}),
+    (
+        "rule and bits",
+        {"keys", "random", "masks", "partition", "trees", "extras", "links", "frozen"},
+    ),
     ("processes", {"processes"}),
     ("audit", {"audit"}),
     ("step", {"step"}),

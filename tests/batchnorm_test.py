@@ -189,5 +189,8 @@ def test_a_plain_batchnorm_in_a_per_example_loss_is_refused_naming_the_recipe():
         return jnp.sum((pred - row["y"]) ** 2)
 
     rows = jax.tree.map(lambda x: x.reshape(B, *x.shape[2:]), data())
-    with pytest.raises(unsplit.DroppedStateError, match=r"batch_loss.*Losses that couple examples guide.*coupled/#recipe-batchnorm"):
+    with pytest.raises(
+        unsplit.DroppedStateError,
+        match=r"batch_loss.*Losses that couple examples guide.*coupled/#recipe-batchnorm",
+    ):
         unsplit.value_and_grad(loss_fn)(VARIABLES, rows, KEY)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from unsplit._src import frozen as frozen_lib
 from unsplit._src import keys as keys_lib
 from unsplit._src.audit import trace as audit_trace
 from unsplit._src.audit.batched import check_step
@@ -35,6 +36,7 @@ def audit(
     *,
     weighted: bool = False,
     has_aux: bool = False,
+    frozen: Any = None,
 ) -> list[Finding]:
     """Finds what makes a per-example loss depend on the schedule; nothing runs.
 
@@ -52,6 +54,8 @@ def audit(
         key: the step key (``jax.random.key(seed)``).
         weighted: whether ``loss_fn`` returns ``(loss_sum, weight)``.
         has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+        frozen: frozen inputs (a pytree), as ``step(..., frozen=frozen)`` gets
+            them: the loss is then ``loss_fn(params, example, key, frozen)``.
 
     Returns:
         The findings, in program order; ``[]`` when nothing was found.
@@ -72,6 +76,8 @@ def audit(
         ['foreign_key']
     """
     _check_callable(loss_fn, "loss_fn")
+    if frozen is not None:  # traced as the step calls it: frozen travels with the params
+        loss_fn, params = frozen_lib.bound(loss_fn), frozen_lib.combine(params, frozen)
     size = _batch_size(batch)
     found: list[Finding] = []
     unsafe = keys_lib.is_typed_key(key) and str(key.dtype) != THREEFRY_DTYPE

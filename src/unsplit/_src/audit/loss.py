@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 
+from unsplit._src import frozen as frozen_lib
 from unsplit._src.audit import trace as audit_trace
 from unsplit._src.audit.finding import (  # AuditError, raise_for: re-exported for the step
     PER_EXAMPLE_KINDS,
@@ -74,6 +75,7 @@ def audit_loss(
     *,
     weighted: bool = False,
     kinds: Iterable[str] | None = None,
+    frozen: Any = None,
 ) -> list[Finding]:
     """Per-example findings for ``loss_fn`` on ONE example; never raises.
 
@@ -88,6 +90,8 @@ def audit_loss(
         kinds: the checks to run (default: all per-example kinds). The
             padding check traces the loss a second time; ``{"foreign_key",
             "dropped_state"}`` is one trace.
+        frozen: frozen inputs, if any: the loss is then traced as
+            ``loss_fn(params, example, key, frozen)``, as the step calls it.
 
     Returns:
         The findings (``audit_error`` if the audit itself failed); ``[]``
@@ -109,6 +113,8 @@ def audit_loss(
     """
     del weighted  # every output of the loss counts as used, weighted or not
     _check_kinds(kinds)
+    if frozen is not None:  # traced as the step calls it: frozen travels with the params
+        loss_fn, params = frozen_lib.bound(loss_fn), frozen_lib.combine(params, frozen)
     try:
         return check_loss(loss_fn, params, example, key, kinds=kinds)
     except LossTraceError:

@@ -105,7 +105,7 @@ class BitwiseStep:
         same shapes. The caller empties it when its params are new.
         """
         signature = _batch_signature(batch, key)
-        if memo and memo["signature"] == signature:
+        if memo and memo.get("signature") == signature:
             state = memo["state"]
         else:
             state, params = self.prepare(params, batch, key)

@@ -58,7 +58,10 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         donated: do not use the arrays you passed in after the call. In bitwise
         mode they are not: the update runs on copies gathered onto one device per
         process (with ``chunk_axes``, on each group's shards), and the arrays you
-        passed in stay valid until you drop them.
+        passed in stay valid until you drop them. Both forms take
+        ``frozen=`` (keyword): frozen inputs passed to the step
+        (``loss_fn(params, example, key, frozen)``); the optimizer sees the
+        params only, and ``frozen`` is never donated.
 
         Default mode is one ``jax.jit``: params and optimizer state that are not on
         the step's mesh yet (fresh ``jnp`` arrays) come back placed on it, so the
@@ -122,13 +125,13 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
 
     if not step.bitwise:
 
-        def fused(params, opt_state, batch, key, ids=None):
-            out, grads = step(params, batch, key, ids)
+        def fused(params, opt_state, batch, key, ids=None, frozen=None):
+            out, grads = step(params, batch, key, ids, frozen=frozen)
             params, opt_state = update(params, opt_state, grads)
             return out, params, opt_state
 
-        def fused_state(state, batch, key, ids=None):
-            out, grads = step(state.params, batch, key, ids)
+        def fused_state(state, batch, key, ids=None, frozen=None):
+            out, grads = step(state.params, batch, key, ids, frozen=frozen)
             return out, update_state(state, grads)
 
         return _Train(
@@ -214,9 +217,9 @@ class _Train:
                     "train_step was given an optimizer and the TrainState has another tx. "
                     "Fix: pass one of them: unsplit.train_step(step) uses state.tx."
                 )
-            if len(args) + len(kwargs) not in (3, 4):
+            if len(args) + len(kwargs) - ("frozen" in kwargs) not in (3, 4):
                 raise TypeError(
-                    "with a TrainState, call train(state, batch, key, ids=None); got "
+                    "with a TrainState, call train(state, batch, key, ids=None) (and frozen=...); got "
                     f"{len(args)} positional and {len(kwargs)} keyword arguments."
                 )
             return self.with_state(*args, **kwargs)
@@ -237,13 +240,15 @@ class _BitwiseTrain:
     def __init__(self, step: Step):
         self.step = step
         self._returned: Any = None  # the params this function returned last
-        self._memo: dict = {}  # the step's programs for them (see BitwiseStep.__call__)
+        self._memo: dict = {}  # the step's programs and placed frozen (BitwiseStep.__call__)
+        self._frozen: Any = None  # the frozen given last
 
-    def grads(self, params, batch, key, ids):
-        """The step's (out, grads, params); params re-placed only when they are new."""
-        if params is not self._returned:
-            self._memo.clear()  # new params: the step looks at their layout again
-        result = self.step._run(params, batch, key, ids, memo=self._memo)
+    def grads(self, params, batch, key, ids, frozen=None):
+        """The step's (out, grads, params); params (and frozen) re-placed only when new."""
+        if params is not self._returned or frozen is not self._frozen:
+            self._memo.clear()  # new params or frozen: the step looks at their layout again
+        self._frozen = frozen
+        result = self.step._run(params, batch, key, ids, frozen=frozen, memo=self._memo)
         out = (result.loss, result.aux) if self.step.has_aux else result.loss
         return out, result.grads, result.params
 
@@ -270,20 +275,20 @@ class _BitwiseTrain:
 
         return jax.tree.map(place, tree)
 
-    def __call__(self, update, params, opt_state, batch, key, ids: Any = None):
+    def __call__(self, update, params, opt_state, batch, key, ids: Any = None, *, frozen=None):
         if params is not self._returned:
             params, opt_state = self.on_step_mesh((params, opt_state))
-        out, grads, params = self.grads(params, batch, key, ids)
+        out, grads, params = self.grads(params, batch, key, ids, frozen)
         # The update needs no non-array leaf (an Equinox module's activation): it gets None.
         new, opt_state = update(without_static(params), opt_state, grads)
         params = with_static(new, params)
         self._returned = params
         return out, params, opt_state
 
-    def with_state(self, update_state, state, batch, key, ids: Any = None):
+    def with_state(self, update_state, state, batch, key, ids: Any = None, *, frozen=None):
         if state.params is not self._returned:
             state = self.on_step_mesh(state)
-        out, grads, params = self.grads(state.params, batch, key, ids)
+        out, grads, params = self.grads(state.params, batch, key, ids, frozen)
         if params is not state.params:
             state = state.replace(params=params)
         (state,) = update_state(state, grads)

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from unsplit._src import frozen as frozen_lib
 from unsplit._src import keys as keys_lib
 from unsplit._src.audit import finding as audit_finding
 from unsplit._src.audit import loss as audit_loss
@@ -132,6 +133,12 @@ def value_and_grad(
         is a pytree whose leaves all have the global batch size ``B`` as
         leading axis; ``ids`` (shape ``(B,)``, default ``arange(B)``) are the
         examples' global ids.
+        ``step(params, batch, key, ids=None, frozen=frozen)`` (keyword) passes
+        frozen inputs (a text encoder, a LoRA base model; any pytree): the loss
+        is then ``loss_fn(params, example, key, frozen)`` (``features_fn`` and
+        ``batch_loss`` take it last too); ``frozen`` is never differentiated,
+        keeps its shardings and is an argument of the compiled programs, never
+        a constant (``docs/models.md``, Frozen inputs).
 
     Example:
         >>> import jax, jax.numpy as jnp, unsplit
@@ -190,6 +197,7 @@ class Step:
         self._layout = Layout.make(options.mesh, options.batch_axes)
         self._agreed = False  # several processes: agreed on the first call
         self._audited = False
+        self._frozen_checked: set[bool] = set()
         if options.bitwise is not None:
             from unsplit._src.bitwise import step as bitwise_lib
 
@@ -244,32 +252,64 @@ class Step:
             "mesh": self.mesh,
         }
 
-    def __call__(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
+    def __call__(
+        self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, frozen: Any = None
+    ) -> tuple[Any, Any]:
         with memory_hint(self):  # also the first call's transfers and compiles
-            result = self._run(params, batch, key, ids)
+            result = self._run(params, batch, key, ids, frozen=frozen)
         if self.has_aux:
             return (result.loss, result.aux), result.grads
         return result.loss, result.grads
 
     def _run(
-        self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, memo: Any = None
+        self,
+        params: Any,
+        batch: Any,
+        key: jax.Array,
+        ids: Any = None,
+        *,
+        frozen: Any = None,
+        memo: dict | None = None,
     ) -> Result:
         """One call, both modes: group, check (agree, audit), run the engine, check the result.
 
+        ``frozen`` travels with the params (placed and packed like them, never
+        differentiated); ``result.grads`` and ``result.params`` are the params' alone.
         ``memo``: the train step's dict, kept while it passes back the params it
-        returned, so the engine need not look at their layout again.
+        returned and the same frozen, so the engine need not look at their layout again.
         """
         batch, ids = self._group(batch, ids)
+        self._check_frozen(frozen)
         if self.bitwise:
-            validate.refuse_bitwise_in_jit(params, batch, key, ids)
-        ids = self._agree_on_inputs(params, batch, key, ids)
-        self._audit_once(params, batch, key)
-        result = self._engine(params, batch, key, ids, memo=memo)
+            validate.refuse_bitwise_in_jit(params, batch, key, ids, frozen)
+        ids = self._agree_on_inputs(params, batch, key, ids, frozen)
+        self._audit_once(params, batch, key, frozen)
+        placed = memo.get("frozen") if memo else None
+        both = frozen_lib.combine(params, frozen if placed is None else placed)
+        result = self._engine(both, batch, key, ids, memo=memo)
+        if memo is not None:
+            memo["frozen"] = frozen_lib.frozen_of(result.params)
         if self.checked:
             validate.check_result(result.loss, result.weight)
-        return result
+        return result._replace(
+            grads=frozen_lib.params_of(result.grads), params=frozen_lib.params_of(result.params)
+        )
 
-    def _agree_on_inputs(self, params: Any, batch: Any, key: jax.Array, ids: Any) -> Any:
+    def _check_frozen(self, frozen: Any) -> None:
+        """The user's functions take ``frozen`` last exactly when it is given (checked once)."""
+        given = frozen is not None
+        if given in self._frozen_checked:
+            return
+        if self._spec.coupled:
+            frozen_lib.check_arity(self.loss_fn, "features_fn", "params, example, key", 3, given)
+            frozen_lib.check_arity(self.batch_loss, "batch_loss", "params, features", 2, given)
+        else:
+            frozen_lib.check_arity(self.loss_fn, "loss_fn", "params, example, key", 3, given)
+        self._frozen_checked.add(given)
+
+    def _agree_on_inputs(
+        self, params: Any, batch: Any, key: jax.Array, ids: Any, frozen: Any = None
+    ) -> Any:
         """Validates the inputs; on a multi-process first call, also agrees on them.
 
         Shapes, dtypes and the schedule are checked on the host (no device
@@ -284,7 +324,9 @@ class Step:
         what = f"the first call of {self!r}"
         with agreement.agreeing(what, fixes=agreement.STEP_FIXES) as items:
             ids = self._validated(batch, key, ids)
-            items.update(agreement.step_items(self.settings(), params, batch, key, ids))
+            items.update(
+                agreement.step_items(self.settings(), params, batch, key, ids, frozen=frozen)
+            )
         self._agreed = True
         return ids
 
@@ -299,7 +341,7 @@ class Step:
         keys_lib.check_key(key)
         return validate.ids_words(ids, batch_size)
 
-    def _audit_once(self, params: Any, batch: Any, key: jax.Array) -> None:
+    def _audit_once(self, params: Any, batch: Any, key: jax.Array, frozen: Any = None) -> None:
         """First call: trace the loss on one example and refuse schedule-dependent noise."""
         if self._audited:
             return
@@ -308,7 +350,7 @@ class Step:
         )
         kinds = None if self.audit else ("foreign_key",)
         findings = audit_loss.audit_loss(
-            self.loss_fn, params, example, key, weighted=self.weighted, kinds=kinds
+            self.loss_fn, params, example, key, weighted=self.weighted, kinds=kinds, frozen=frozen
         )
         errors = {f.kind for f in findings} - {"audit_error"} if self.audit else {"foreign_key"}
         audit_finding.raise_for(findings, kinds=errors)
@@ -322,7 +364,9 @@ class Step:
         shares = self.num_devices * (1 if self.bitwise else self.microbatches)
         return groups.group_rows(batch, ids, self.group_size, shares=shares)
 
-    def lower(self, params: Any, batch: Any, key: jax.Array, ids: Any = None):
+    def lower(
+        self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, frozen: Any = None
+    ):
         """The compiled program a call with these inputs runs, lowered (default mode).
 
         Like ``jax.jit(f).lower(...)``: ``step.lower(...).compile()`` gives its
@@ -337,9 +381,9 @@ class Step:
                 "lower() on a bitwise=False step to inspect its program."
             )
         batch, ids = self._group(batch, ids)
-        return self._engine.lower(
-            params, batch, key, self._agree_on_inputs(params, batch, key, ids)
-        )
+        self._check_frozen(frozen)
+        ids = self._agree_on_inputs(params, batch, key, ids, frozen)
+        return self._engine.lower(frozen_lib.combine(params, frozen), batch, key, ids)
 
 
 @contextlib.contextmanager

@@ -152,6 +152,9 @@ STEP_FIXES = {
     "params structure": _SAME_MODEL,
     "params shapes and dtypes": _SAME_MODEL,
     "params shardings": "place the params with the same shardings on every process",
+    **{f"frozen {s}": "load the same frozen inputs (e.g. the same base model checkpoint) "
+       "with the same shardings on every process"
+       for s in ("structure", "shapes and dtypes", "shardings", "values")},
     "params values": "initialize the params from the same seed on every process, load the same "
     "checkpoint, or take process 0's: jax.experimental.multihost_utils.broadcast_one_to_all",
     **{f"batch {s}": _GLOBAL for s in ("structure", "shapes and dtypes", "shardings")},
@@ -162,7 +165,9 @@ STEP_FIXES = {
 }  # fmt: skip
 
 
-def step_items(settings: Mapping[str, Any], params, batch, key, ids=None) -> dict[str, Any]:
+def step_items(
+    settings: Mapping[str, Any], params, batch, key, ids=None, *, frozen=None
+) -> dict[str, Any]:
     """What a step's first call agrees on: ``settings``, the key, params, batch and ids.
 
     ``settings`` holds the step's options by name (``bitwise``, ``microbatches``,
@@ -170,6 +175,8 @@ def step_items(settings: Mapping[str, Any], params, batch, key, ids=None) -> dic
     ``fixes=STEP_FIXES``.
     """
     items = {**settings, "step key": key, **tree_items("params", params)}
+    if frozen is not None:  # frozen inputs: the same structure, shardings and values as params
+        items.update(tree_items("frozen", frozen))
     # What the bits depend on besides the inputs (versions, backend, XLA flags): every mode,
     # so processes that disagree only on bitwise= are told just that.
     items["process settings"] = fingerprint.bits_settings()

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from unsplit._src import frozen as frozen_lib
 from unsplit._src import keys as keys_lib
 from unsplit._src.step import state_guard, sums, validate
 
@@ -109,7 +110,7 @@ def features_of(
     def one(diff_arrays, example, example_key):
         params = structure.merge(structure.with_diff(arrays, diff_arrays))
         with state_guard.watch(params, structure) as guard:
-            out = spec.loss_fn(params, example, example_key)
+            out = frozen_lib.call(spec.loss_fn, params, example, example_key)
         guard.check(returned=out)
         return check_features(out)
 
@@ -122,7 +123,7 @@ def batch_loss_of(
 ):
     """``(loss, aux)`` of the global batch's features."""
     params = structure.merge(structure.with_diff(arrays, diff_arrays))
-    return check_batch_loss(spec.batch_loss(params, features), spec.has_aux)
+    return check_batch_loss(frozen_lib.call(spec.batch_loss, params, features), spec.has_aux)
 
 
 def loss_and_feature_grads(spec, structure, arrays, diff_arrays, features):

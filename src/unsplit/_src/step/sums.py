@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from unsplit._src import frozen as frozen_lib
 from unsplit._src import keys as keys_lib
 from unsplit._src.step import state_guard, validate
 
@@ -91,7 +92,11 @@ class Params:
         paths = tuple(
             jax.tree_util.keystr(path) for (path, _), m in zip(flat, mask, strict=True) if m
         )
-        diff = tuple(is_inexact_array(x) for x in arrays)
+        # Frozen inputs (after the params' leaves) get no gradient: they are arguments of
+        # the program that the differentiated function closes over, never differentiated.
+        trained = frozen_lib.frozen_leaf_count(params)
+        trained = len(arrays) if trained is None else sum(mask[:trained])
+        diff = tuple(is_inexact_array(x) and i < trained for i, x in enumerate(arrays))
         return Params(treedef, mask, diff, static, paths), arrays
 
     def merge(self, arrays: list[Any]) -> Any:
@@ -118,7 +123,7 @@ class Params:
 
 def call_loss(spec: LossSpec, params: Any, example: Any, key: jax.Array):
     """The user's loss of one example as ``(float32 loss_sum, float32 weight, aux)``."""
-    out = spec.loss_fn(params, example, key)
+    out = frozen_lib.call(spec.loss_fn, params, example, key)
     aux = None
     if spec.has_aux:
         out, aux = validate.aux_pair(out, spec.weighted)
