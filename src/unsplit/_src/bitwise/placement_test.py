@@ -56,8 +56,9 @@ def _specs(mesh, layout):
     )
 
 
-def run_layout(name: str, order=None) -> list[str]:
-    """The bitwise step's (loss, grads) on layout ``name`` as hex, in any process count."""
+def run_layout(name: str, order=None, train: bool = False) -> list[str]:
+    """The bitwise step's (loss, grads) on layout ``name`` as hex, in any process count
+    (``train``: the params and optimizer state after one ``train_step`` instead)."""
     shape, names, layout = LAYOUTS[name]
     devices = jax.devices()
     if order is not None:
@@ -80,7 +81,14 @@ def run_layout(name: str, order=None) -> list[str]:
         rows, ids = unsplit.global_batch(
             jax.tree.map(lambda x: np.asarray(x)[mine], BATCH), mesh, batch_axes=batch_axes
         )
-    out = step(params, rows, KEY, ids=ids)
+    if train:
+        import optax
+
+        optimizer = optax.adam(1e-3)
+        run = unsplit.train_step(step, optimizer)
+        _, *out = run(params, optimizer.init(params), rows, KEY, ids=ids)
+    else:
+        out = step(params, rows, KEY, ids=ids)
     return testing.to_hex([_whole(x) for x in jax.tree.leaves(out)])
 
 
@@ -122,3 +130,38 @@ def test_rename_keeps_the_buffers_and_copies_only_when_it_must():
     # Another block per device (sharded over "x" instead): copied, the values kept.
     moved = placement.rename(x, NamedSharding(b, P("x")))
     assert moved.sharding.spec == P("x") and moved.tolist() == list(range(8))
+
+
+def worker_spread(cases: dict) -> dict:
+    """One of 2 processes x 4 devices: each case's bits (``[layout, spread, train]``)."""
+    return {
+        name: run_layout(layout, SPREAD if spread else None, train)
+        for name, (layout, spread, train) in cases.items()
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
+    from unsplit._src.processes import launch
+
+    cases = {
+        "fsdp": ("fsdp", False, False),  # each FSDP group of 4 inside one process
+        "fsdp_spread": ("fsdp", True, False),  # each group's devices in both processes
+        "tp_spread": ("tp", True, False),  # tensor-parallel groups of 2 over both
+        "train_fsdp": ("fsdp", False, True),  # train_step's grouped update
+        "train_fsdp_spread": ("fsdp", True, True),
+    }
+    results = launch.run_local_processes(
+        "unsplit._src.bitwise.placement_test:worker_spread",
+        num_processes=2,
+        devices_per_process=4,
+        kwargs={"cases": cases},
+        timeout_s=900,
+    )
+    assert results[0] == results[1]
+    (got,) = results[:1]
+    assert got["fsdp_spread"] == got["fsdp"]
+    assert got["train_fsdp_spread"] == got["train_fsdp"]
+    # Tensor-parallel groups: the bits of this plain 8-device process too.
+    assert got["tp_spread"] == one_process("tp")
