@@ -83,3 +83,27 @@ def replicate(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     # In the sharding's device order: key arrays are not rearranged by device.
     copies = [jax.device_put(x, d) for d in sharding.addressable_devices_indices_map(np.shape(x))]
     return jax.make_array_from_single_device_arrays(np.shape(x), sharding, copies)
+
+
+def gathered(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``tree`` (arrays on ``mesh``'s devices) whole on every device of ``mesh`` (exact)."""
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return _identity(whole)(tree)
+
+
+def from_local_copy(tree: Any, sharding: jax.sharding.NamedSharding) -> Any:
+    """``tree`` (whole on a device of this process, the same value in every process) placed
+    with ``sharding``: copied whole to this process's devices of it, then sliced there."""
+    whole = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    copies = jax.tree.map(lambda x: replicate(x.addressable_data(0), whole), tree)
+    return _identity(sharding)(copies)
+
+
+_IDENTITIES: dict = {}
+
+
+def _identity(sharding: jax.sharding.Sharding):
+    """A jitted identity whose outputs have ``sharding`` (a gather or a slice: exact)."""
+    if sharding not in _IDENTITIES:
+        _IDENTITIES[sharding] = jax.jit(lambda t: t, out_shardings=sharding)
+    return _IDENTITIES[sharding]

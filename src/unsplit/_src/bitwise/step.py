@@ -475,6 +475,11 @@ class _CoupledCompiled(_Compiled):
         # Pass 2 runs on one group per process (its first): every process gets the global
         # features (an all-gather, exact) and runs the same program.
         self.head = self.local_groups[0]
+        # Groups spread over processes: pass 3's cotangents travel through each process's
+        # own copy (the processes of a spread head group all take it as their head).
+        self.spread = any(
+            placement.spans_processes(plan.group_devices(g)) for g in self.local_groups
+        )
         self.loss_fn = coupled.loss_program(plan, spec, self.head)
         self.whole = NamedSharding(plan.compute, P())
         self.finish = self._program(
@@ -499,6 +504,8 @@ class _CoupledCompiled(_Compiled):
         features = self._on_head(self._aux(per_group))  # every group's, on the head group
         vectors = inputs[self.head][0]
         loss, aux, direct, g_features = self._loss_program(vectors, features)(vectors, features)
+        if self.spread:  # whole on each head device: every process then has its own copy
+            g_features = placement.gathered(g_features, self.plan.group_mesh(self.head))
         cotangents = programs.split_chunks(g_features, plan.chunk)  # pass 3's inputs
 
         def cotangent(g, i):
@@ -548,7 +555,10 @@ class _CoupledCompiled(_Compiled):
             (device,) = devices.flat
             return jax.tree.map(lambda x: jax.device_put(x, device).addressable_data(0), tree)
         spec = P(partition.entry(plan.chunk_axes)) if plan.chunk_axes else P()
-        return jax.device_put(tree, NamedSharding(plan.group_mesh(g), spec))
+        sharding = NamedSharding(plan.group_mesh(g), spec)
+        if self.spread:  # device_put cannot move arrays between device sets across processes
+            return placement.from_local_copy(tree, sharding)
+        return jax.device_put(tree, sharding)
 
     def _spread(self, x, sharding):
         """The head group's packed ``x`` (sharded over the group axes) on ``sharding``'s
