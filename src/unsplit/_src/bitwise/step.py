@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import accelerators, coupled, programs, reduce, relocate
+from unsplit._src.bitwise import accelerators, coupled, placement, programs, reduce, relocate
 from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.step import sums
 from unsplit._src.step.layout import Layout, move_onto, named_spec
@@ -283,7 +283,6 @@ class _Compiled:
         gentry = partition.entry(plan.group_axes)
         self.slots_sharding = NamedSharding(plan.compute, P(plan.outer_entry, None, gentry))
         self.total_sharding = NamedSharding(mesh, P(gentry))
-        self.same_mesh = plan.compute.devices.size == mesh.devices.size
 
     def combine_slots(self) -> list[jax.ShapeDtypeStruct]:
         """The combine program's inputs: every group's blocks of packed sums, stacked."""
@@ -382,9 +381,9 @@ class _Compiled:
             # busy machine). Wait for this process's chunk sums before the combine.
             jax.block_until_ready(slots)
         totals = self.combine(*slots)
-        if not self.same_mesh:
-            totals = jax.device_put(totals, self.total_sharding)
-        return totals
+        # On the user's mesh: the same buffers when its devices are the compute mesh's (in
+        # any axis order), else copied to the devices of the axes no param uses.
+        return placement.rename_tree(totals, self.total_sharding)
 
     def _compile(self, inputs) -> None:
         """Compiles the chunk program for the local groups (see :meth:`_compiled`)."""
@@ -400,9 +399,14 @@ class _Compiled:
         """
         keys = {g: (tag, self._key(g, args[g])) for g in self.local_groups}
         todo = [g for g in self.local_groups if keys[g] not in self.shared]
-        by_size: dict[int, list[int]] = {}  # groups of the same size run the same program
+        by_size: dict[Any, list[int]] = {}  # groups of the same size run the same program
         for g in todo:
-            by_size.setdefault(self.plan.group_devices(g).size, []).append(g)
+            devices = self.plan.group_devices(g)
+            # A group spread over processes is compiled for its own devices, by every process
+            # it spans (the same call in each; an executable cannot be loaded onto devices
+            # another process drives).
+            spread = placement.spans_processes(devices)
+            by_size.setdefault(("spread", g) if spread else devices.size, []).append(g)
         first = [groups[0] for groups in by_size.values()]
         lowered = {
             g: programs.lower_chunk(fns[g], args[g], self.plan.group_devices(g).flat) for g in first
@@ -494,6 +498,11 @@ class _CoupledCompiled(_Compiled):
         # Pass 2 runs on one group per process (its first): every process gets the global
         # features (an all-gather, exact) and runs the same program.
         self.head = self.local_groups[0]
+        # Groups spread over processes: pass 3's cotangents travel through each process's
+        # own copy (the processes of a spread head group all take it as their head).
+        self.spread = any(
+            placement.spans_processes(plan.group_devices(g)) for g in self.local_groups
+        )
         self.loss_fn = coupled.loss_program(plan, spec, self.head)
         self.whole = NamedSharding(plan.compute, P())
         self.finish = self._program(
@@ -518,6 +527,8 @@ class _CoupledCompiled(_Compiled):
         features = self._on_head(self._aux(per_group))  # every group's, on the head group
         vectors = inputs[self.head][0]
         loss, aux, direct, g_features = self._loss_program(vectors, features)(vectors, features)
+        if self.spread:  # whole on each head device: every process then has its own copy
+            g_features = placement.gathered(g_features, self.plan.group_mesh(self.head))
         cotangents = programs.split_chunks(g_features, plan.chunk)  # pass 3's inputs
 
         def cotangent(g, i):
@@ -554,7 +565,7 @@ class _CoupledCompiled(_Compiled):
                 return by_device[devices[0]]
             sharding = NamedSharding(self.plan.group_mesh(self.head), P())
             return jax.make_array_from_single_device_arrays(
-                x.shape, sharding, [by_device[d] for d in devices]
+                x.shape, sharding, [by_device[d] for d in devices if d in by_device]
             )
 
         return jax.tree.map(local, whole)
@@ -567,7 +578,10 @@ class _CoupledCompiled(_Compiled):
             (device,) = devices.flat
             return jax.tree.map(lambda x: jax.device_put(x, device).addressable_data(0), tree)
         spec = P(partition.entry(plan.chunk_axes)) if plan.chunk_axes else P()
-        return jax.device_put(tree, NamedSharding(plan.group_mesh(g), spec))
+        sharding = NamedSharding(plan.group_mesh(g), spec)
+        if self.spread:  # device_put cannot move arrays between device sets across processes
+            return placement.from_local_copy(tree, sharding)
+        return jax.device_put(tree, sharding)
 
     def _spread(self, x, sharding):
         """The head group's packed ``x`` (sharded over the group axes) on ``sharding``'s
@@ -629,7 +643,11 @@ class _Placer:
     """Puts a group's inputs on its devices: its rows of the batch, the whole key, its params."""
 
     def __init__(self, gmesh: Mesh, devices: list, start: int, rows: int, chunk_axes=()):
-        self.gmesh, self.devices, self.start, self.rows_n = gmesh, devices, start, rows
+        self.gmesh, self.start, self.rows_n = gmesh, start, rows
+        # A group may span processes (an FSDP group of 64 over 8 hosts): each process puts
+        # only its own devices' pieces; ``size`` counts every device of the group.
+        self.size = len(devices)
+        self.devices = placement.addressable(devices)
         self.replicated = NamedSharding(gmesh, P())
         self.chunk_axes = tuple(chunk_axes)
         # FSDP groups: the group's rows split over the chunk axes in order (as the batch
@@ -645,11 +663,11 @@ class _Placer:
 
     def flat(self, vector, by_device):
         shards = [by_device[d] for d in self.devices]
-        if len(shards) == 1:
+        if self.size == 1:
             return self.one_device(shards[0])
         axes = tuple(self.gmesh.axis_names)
         sharding = NamedSharding(self.gmesh, P(axes if len(axes) > 1 else axes[0]))
-        length = shards[0].shape[0] * len(shards)
+        length = shards[0].shape[0] * self.size
         return jax.make_array_from_single_device_arrays((length,), sharding, shards)
 
     def rows(self, x):
@@ -663,7 +681,7 @@ class _Placer:
                     found[s.device] = s.data
             if all(d in found for d in self.devices):
                 pieces = [found[d] for d in self.devices]
-                if len(pieces) == 1:
+                if self.size == 1:
                     return self.one_device(pieces[0])
                 sharding = self.split if self.chunk_axes else self.replicated
                 return jax.make_array_from_single_device_arrays(
@@ -676,7 +694,7 @@ class _Placer:
                     "local_rows, mesh) on the step's mesh."
                 )
         host = np.asarray(x[self.start : stop])
-        if len(self.devices) == 1:
+        if self.size == 1:
             return jax.device_put(host, self.devices[0])
         return jax.device_put(host, self.split if self.chunk_axes else self.replicated)
 
@@ -689,9 +707,9 @@ class _Placer:
         return x.addressable_data(0)
 
     def whole(self, x):
-        if len(self.devices) == 1:
+        if self.size == 1:
             return self.one_device(jax.device_put(x, self.devices[0]))
-        return jax.device_put(x, self.replicated)
+        return placement.replicate(x, self.replicated)
 
 
 @contextlib.contextmanager

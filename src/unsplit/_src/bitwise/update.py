@@ -269,7 +269,8 @@ class GroupedUpdate:
         def on_group(x, spec):
             by_device = {s.device: s.data for s in x.addressable_shards}
             sharding = NamedSharding(gmesh, spec)
-            shards = [by_device[d] for d in gmesh.devices.flat]
+            # A group spread over processes: each process puts its own devices' shards.
+            shards = [by_device[d] for d in gmesh.devices.flat if d in by_device]
             return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
         args = jax.tree.map(on_group, trees, local_specs)

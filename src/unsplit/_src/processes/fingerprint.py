@@ -272,14 +272,16 @@ def bits_settings() -> dict[str, str]:
     Processes that must give the same bits -- those of one multi-process job, or
     a run and the one-device run it is compared with -- need equal values:
     the JAX and jaxlib versions, the backend and device kind, and the XLA flags
-    (``XLA_FLAGS``, less the simulated device count and dump options). The CPU
+    (``XLA_FLAGS``, less the simulated device count and dump options), and the
+    collectives implementation (:func:`collectives`: the order of the float
+    reductions XLA runs across a group's devices). The CPU
     thread count (CPUs in the affinity mask, simulated devices) is not one of
     them: a chunk program's dots run on a path that does not split by threads.
 
     Example:
         >>> from unsplit._src.processes.fingerprint import bits_settings
         >>> sorted(bits_settings())
-        ['backend', 'device kind', 'jax', 'jaxlib', 'xla flags']
+        ['backend', 'collectives', 'device kind', 'jax', 'jaxlib', 'xla flags']
     """
     flags = [
         f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_BITS_NEUTRAL_FLAGS)
@@ -291,4 +293,35 @@ def bits_settings() -> dict[str, str]:
         "backend": device.platform,
         "device kind": device.device_kind,
         "xla flags": " ".join(sorted(flags)),
+        "collectives": collectives(device.platform),
     }
+
+
+# NCCL settings that choose a reduction's algorithm, hence the order of its adds.
+_NCCL_ORDER = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")
+
+
+def collectives(platform: str) -> str:
+    """What runs the collectives of XLA's programs here, which fixes their order of adds.
+
+    The float reductions XLA inserts inside a group of devices (an FSDP group's
+    gradient reduce-scatter, a tensor-parallel layout's all-reduces) add in the
+    order of the collectives' implementation: on CPU the in-process one in a
+    plain process, ``jax_cpu_collectives_implementation`` (gloo) under
+    ``jax.distributed`` (measured: other bits for FSDP groups, relative 1.6e-8);
+    on GPU NCCL, whose algorithm ``NCCL_ALGO``/``NCCL_PROTO`` and channels choose
+    it (and its topology: see docs/bitwise.md).
+
+    Example:
+        >>> from unsplit._src.processes.fingerprint import collectives
+        >>> collectives("cpu")  # a plain process
+        'in-process'
+    """
+    if platform == "cpu":
+        if not jax.distributed.is_initialized():
+            return "in-process"
+        return f"cpu {jax.config.jax_cpu_collectives_implementation}"
+    if platform in ("gpu", "cuda", "rocm"):
+        set_ = [f"{k}={os.environ[k]}" for k in _NCCL_ORDER if k in os.environ]
+        return " ".join(["nccl", *set_])
+    return platform

@@ -19,3 +19,13 @@ def test_bits_settings_leave_out_the_thread_count(monkeypatch):
     assert one["jax"] == jax.__version__
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
     assert fingerprint.bits_settings() != one
+
+
+def test_bits_settings_name_the_collectives_implementation(monkeypatch):
+    # A plain process adds in XLA's in-process collectives; under jax.distributed the CPU
+    # collectives (gloo) add in another order: FSDP groups' bits differ (docs/bitwise.md).
+    assert fingerprint.bits_settings()["collectives"] == "in-process"
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    assert fingerprint.collectives("cpu") == "cpu gloo"
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    assert fingerprint.collectives("gpu") == "nccl NCCL_ALGO=Ring"

@@ -148,7 +148,9 @@ STEP_FIXES = {
     "('data',)) everywhere",
     "step key": KEY_FIX,
     "process settings": "run every process with the same JAX and jaxlib, backend, accelerator "
-    f"model and XLA_FLAGS ({links.doc_ref('bitwise', 'process-settings-what-must-match')})",
+    "model, XLA_FLAGS and collectives (jax_cpu_collectives_implementation on CPU; NCCL_ALGO, "
+    "NCCL_PROTO and the NCCL channels on GPU) "
+    f"({links.doc_ref('bitwise', 'process-settings-what-must-match')})",
     "params structure": _SAME_MODEL,
     "params shapes and dtypes": _SAME_MODEL,
     "params shardings": "place the params with the same shardings on every process",

@@ -1,0 +1,109 @@
+"""Global arrays moved between meshes of the same devices, and across processes.
+
+Bitwise mode runs its programs on several meshes built from the user's: the
+*compute mesh* (outer batch axes, then group axes, whatever order the user's
+mesh has them in) and one mesh per group. An array that holds, on every device,
+the block it would hold on another mesh needs no copy, only a new name:
+:func:`rename` puts the same buffers together as a global array of that other
+sharding. This works in every process (each names only its addressable
+shards), where ``jax.device_put`` between two meshes of the same devices in
+another order would run a program (and across processes may not run at all).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def rename(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` as a global array of ``sharding``, each device keeping its buffer.
+
+    Every device of ``sharding`` must hold the block ``sharding`` gives it
+    (checked: otherwise the array is copied with ``jax.device_put``, which
+    needs ``x`` fully addressable).
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        >>> d = jax.devices()[:4]
+        >>> a = Mesh(np.array(d).reshape(2, 2), ("x", "y"))
+        >>> b = Mesh(np.array(d).reshape(2, 2).T, ("y", "x"))  # the same devices, transposed
+        >>> x = jax.device_put(np.arange(4.0), NamedSharding(a, P("y")))
+        >>> rename(x, NamedSharding(b, P("y"))).sharding.mesh.axis_names
+        ('y', 'x')
+    """
+    if x.sharding == sharding:
+        return x
+    shape = np.shape(x)
+    want = sharding.addressable_devices_indices_map(shape)
+    have = {s.device: s for s in x.addressable_shards}
+    if set(want) <= set(have) and all(_same(have[d].index, want[d], shape) for d in want):
+        return jax.make_array_from_single_device_arrays(
+            shape, sharding, [have[d].data for d in want]
+        )
+    return jax.device_put(x, sharding)
+
+
+def rename_tree(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+    """:func:`rename` on every leaf."""
+    return jax.tree.map(lambda x: rename(x, sharding), tree)
+
+
+def _same(a: tuple, b: tuple, shape: tuple) -> bool:
+    """Whether two index tuples (of slices) select the same block of ``shape``."""
+    return all(x.indices(n) == y.indices(n) for x, y, n in zip(a, b, shape, strict=True)) and len(
+        a
+    ) == len(b)
+
+
+def addressable(devices: Any) -> list:
+    """Those of ``devices`` (any iterable, e.g. a group's grid) this process drives, in order."""
+    me = jax.process_index()
+    return [d for d in np.asarray(devices, dtype=object).flat if d.process_index == me]
+
+
+def spans_processes(devices: Any) -> bool:
+    """Whether ``devices`` belong to more than one process (a group spread over hosts)."""
+    return len({d.process_index for d in np.asarray(devices, dtype=object).flat}) > 1
+
+
+def replicate(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` (a value every process holds the same) whole on every device of ``sharding``.
+
+    ``jax.device_put`` of a one-device array onto devices of other processes is
+    refused; each process instead copies its own value to its own devices.
+    """
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array):
+        x = x.addressable_data(0)
+    # In the sharding's device order: key arrays are not rearranged by device.
+    copies = [jax.device_put(x, d) for d in sharding.addressable_devices_indices_map(np.shape(x))]
+    return jax.make_array_from_single_device_arrays(np.shape(x), sharding, copies)
+
+
+def gathered(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``tree`` (arrays on ``mesh``'s devices) whole on every device of ``mesh`` (exact)."""
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return _identity(whole)(tree)
+
+
+def from_local_copy(tree: Any, sharding: jax.sharding.NamedSharding) -> Any:
+    """``tree`` (whole on a device of this process, the same value in every process) placed
+    with ``sharding``: copied whole to this process's devices of it, then sliced there."""
+    whole = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    copies = jax.tree.map(lambda x: replicate(x.addressable_data(0), whole), tree)
+    return _identity(sharding)(copies)
+
+
+_IDENTITIES: dict = {}
+
+
+def _identity(sharding: jax.sharding.Sharding):
+    """A jitted identity whose outputs have ``sharding`` (a gather or a slice: exact)."""
+    if sharding not in _IDENTITIES:
+        _IDENTITIES[sharding] = jax.jit(lambda t: t, out_shardings=sharding)
+    return _IDENTITIES[sharding]

@@ -1,0 +1,167 @@
+"""Bitwise steps on any mesh axis order, and groups spread over processes.
+
+* Any axis order (issue 27, item 3): the group axes first, last or in between give
+  the bits of the same groups on the canonical ``(data, group)`` order, for FSDP
+  groups (``chunk_axes``) and tensor-parallel groups.
+* Groups over processes (item 1): FSDP groups and tensor-parallel groups whose
+  devices belong to two processes give the bits of the same groups inside one
+  process (one launch runs every layout).
+"""
+
+import functools
+import math
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import unsplit
+from unsplit._src import test_util as testing
+from unsplit._src.bitwise import placement
+from unsplit._src.models import transformer as tf
+
+pytestmark = pytest.mark.xdist_group("bitwise")
+KEY = jax.random.fold_in(jax.random.key(0), 23)
+MODEL, PARAMS, BATCH = testing.problem()
+WEIGHTED = tf.token_loss(MODEL)
+# Device orders of two processes x 4 devices: every group of 2 or 4 consecutive mesh
+# positions then holds devices of both processes.
+SPREAD = (0, 4, 1, 5, 2, 6, 3, 7)
+
+# name: (mesh shape, axis names, params layout, the axis params are sharded over)
+LAYOUTS = {
+    "fsdp": ((2, 4), ("data", "fsdp"), "fsdp"),
+    "fsdp_first": ((4, 2), ("fsdp", "data"), "fsdp"),
+    "tp": ((4, 2), ("data", "model"), "tp"),
+    "tp_first": ((2, 4), ("model", "data"), "tp"),
+    "fsdp2_tp": ((2, 2, 2), ("data", "fsdp", "model"), "fsdp+tp"),
+    "fsdp2_tp_middle": ((2, 2, 2), ("model", "fsdp", "data"), "fsdp+tp"),
+    "fsdp2_spare": ((2, 2, 2), ("data", "spare", "fsdp"), "fsdp"),
+    "fsdp2_spare_middle": ((2, 2, 2), ("data", "fsdp", "spare"), "fsdp"),
+    "fsdp8": ((1, 8), ("data", "fsdp"), "fsdp"),
+}
+
+
+def _specs(mesh, layout):
+    if layout == "tp":
+        return testing.megatron_specs(PARAMS, "model")
+    fsdp = testing.fsdp_specs(PARAMS, "fsdp", mesh.shape["fsdp"])
+    if layout == "fsdp":
+        return fsdp
+    tp = testing.megatron_specs(PARAMS, "model")  # both: FSDP where TP leaves a dim free
+    return jax.tree.map(
+        lambda f, t: t if any(t) else f, fsdp, tp, is_leaf=lambda x: isinstance(x, P)
+    )
+
+
+def run_layout(name: str, order=None, train: bool = False) -> list[str]:
+    """The bitwise step's (loss, grads) on layout ``name`` as hex, in any process count
+    (``train``: the params and optimizer state after one ``train_step`` instead)."""
+    shape, names, layout = LAYOUTS[name]
+    devices = jax.devices()
+    if order is not None:
+        devices = [devices[i] for i in order]
+    mesh = Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
+    group = "fsdp" in layout
+    batch_axes = ("data", "fsdp") if group else "data"
+    params = testing.replicated(jax.tree.map(np.asarray, PARAMS), mesh, _specs(mesh, layout))
+    step = unsplit.value_and_grad(
+        WEIGHTED, weighted=True, mesh=mesh, batch_axes=batch_axes, bitwise=True,
+        chunk_axes="fsdp" if group else None,
+    )  # fmt: skip
+    rows, ids = BATCH, None
+    if jax.process_count() > 1:  # each process's rows: those its devices hold
+        size = len(BATCH["inputs"])
+        index = NamedSharding(mesh, P(batch_axes)).addressable_devices_indices_map((size,))
+        starts = sorted({i[0].start or 0 for i in index.values()})
+        block = size // math.prod(mesh.shape[a] for a in np.atleast_1d(batch_axes))
+        mine = np.concatenate([np.arange(s, s + block) for s in starts])
+        rows, ids = unsplit.global_batch(
+            jax.tree.map(lambda x: np.asarray(x)[mine], BATCH), mesh, batch_axes=batch_axes
+        )
+    if train:
+        import optax
+
+        optimizer = optax.adam(1e-3)
+        run = unsplit.train_step(step, optimizer)
+        _, *out = run(params, optimizer.init(params), rows, KEY, ids=ids)
+    else:
+        out = step(params, rows, KEY, ids=ids)
+    return testing.to_hex([_whole(x) for x in jax.tree.leaves(out)])
+
+
+def _whole(x):
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@functools.cache
+def one_process(name: str) -> list[str]:
+    return run_layout(name)
+
+
+@pytest.mark.parametrize(
+    "name,canonical",
+    [
+        ("fsdp_first", "fsdp"),
+        ("fsdp2_tp_middle", "fsdp2_tp"),  # FSDP + tensor parallel, the chunk axis in the middle
+        pytest.param("tp_first", "tp", marks=pytest.mark.slow),
+        pytest.param("fsdp2_spare_middle", "fsdp2_spare", marks=pytest.mark.slow),
+    ],
+)
+def test_group_axes_may_come_first_last_or_in_between(name, canonical):
+    assert one_process(name) == one_process(canonical)
+
+
+def test_rename_keeps_the_buffers_and_copies_only_when_it_must():
+    devices = jax.devices()[:4]
+    a = Mesh(np.array(devices).reshape(2, 2), ("x", "y"))
+    b = Mesh(np.array(devices).reshape(2, 2).T, ("y", "x"))  # the same devices, transposed
+    x = jax.device_put(np.arange(8.0), NamedSharding(a, P("y")))
+    renamed = placement.rename(x, NamedSharding(b, P("y")))
+    assert renamed.sharding.mesh.axis_names == ("y", "x")
+    before = {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+    assert {s.device: s.data.unsafe_buffer_pointer() for s in renamed.addressable_shards} == before
+    # Another block per device (sharded over "x" instead): copied, the values kept.
+    moved = placement.rename(x, NamedSharding(b, P("x")))
+    assert moved.sharding.spec == P("x") and moved.tolist() == list(range(8))
+
+
+def worker_spread(cases: dict) -> dict:
+    """One of 2 processes x 4 devices: each case's bits (``[layout, spread, train]``)."""
+    return {
+        name: run_layout(layout, SPREAD if spread else None, train)
+        for name, (layout, spread, train) in cases.items()
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
+    from unsplit._src.processes import launch
+
+    cases = {
+        "fsdp": ("fsdp", False, False),  # each FSDP group of 4 inside one process
+        "fsdp_spread": ("fsdp", True, False),  # each group's devices in both processes
+        "tp_spread": ("tp", True, False),  # tensor-parallel groups of 2 over both
+        "train_fsdp": ("fsdp", False, True),  # train_step's grouped update
+        "train_fsdp_spread": ("fsdp", True, True),
+    }
+    results = launch.run_local_processes(
+        "unsplit._src.bitwise.placement_test:worker_spread",
+        num_processes=2,
+        devices_per_process=4,
+        kwargs={"cases": cases},
+        timeout_s=900,
+    )
+    assert results[0] == results[1]
+    (got,) = results[:1]
+    assert got["fsdp_spread"] == got["fsdp"]
+    assert got["train_fsdp_spread"] == got["train_fsdp"]
+    # Tensor-parallel groups: the bits of this plain 8-device process too.
+    assert got["tp_spread"] == one_process("tp")
