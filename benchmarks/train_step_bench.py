@@ -2,7 +2,7 @@
 
 The step is a small denoiser trained the diffusion way: each example draws a timestep and
 Gaussian noise from its own key, noises the clean example, and the model (an MLP over the
-noisy example and a sinusoidal embedding of the timestep, with a skip connection) predicts
+noisy example and a sinusoidal embedding of the timestep: residual blocks with norm scales and biases, a skip connection) predicts
 the noise; the loss is the mean squared error. 8 simulated CPU devices, a ``data`` mesh,
 params replicated, the batch sharded over ``data``, AdamW.
 
@@ -44,12 +44,15 @@ def embed(t, dim):
 
 
 def denoiser(p, x_t, t):
-    """A UNet-ish MLP: down, a middle block conditioned on ``t``, up with a skip."""
+    """A UNet-ish MLP: down, residual blocks conditioned on ``t`` (each with its own biases and
+    norm scale, as a UNet's many small leaves), up with a skip from the first layer."""
     h0 = jax.nn.gelu(x_t @ p["down"])
     h = h0 + embed(t, h0.shape[-1]) @ p["time"]
-    h = jax.nn.gelu(h @ p["mid1"])
-    h = jax.nn.gelu(h @ p["mid2"]) + h0
-    return h @ p["up"]
+    for block in p["blocks"]:
+        normed = h * jax.lax.rsqrt(jnp.mean(h**2) + 1e-6) * block["scale"]
+        inner = jax.nn.gelu(normed @ block["w1"] + block["b1"])
+        h = h + inner @ block["w2"] + block["b2"]
+    return (h + h0) @ p["up"]
 
 
 def loss_fn(p, x, key):
@@ -62,15 +65,25 @@ def loss_fn(p, x, key):
     return jnp.mean((denoiser(p, x_t, t) - noise) ** 2)
 
 
-def init(rng, data_dim, width):
-    shapes = {
-        "down": (data_dim, width),
-        "time": (width, width),
-        "mid1": (width, width),
-        "mid2": (width, width),
-        "up": (width, data_dim),
+def init(rng, data_dim, width, depth):
+    def matrix(m, n):
+        return rng.normal(0, 1 / np.sqrt(m), (m, n)).astype(np.float32)
+
+    def block():
+        return {
+            "scale": np.ones(width, np.float32),
+            "w1": matrix(width, 2 * width),
+            "b1": np.zeros(2 * width, np.float32),
+            "w2": matrix(2 * width, width),
+            "b2": np.zeros(width, np.float32),
+        }
+
+    return {
+        "down": matrix(data_dim, width),
+        "time": matrix(width, width),
+        "blocks": [block() for _ in range(depth)],
+        "up": matrix(width, data_dim),
     }
-    return {k: rng.normal(0, 1 / np.sqrt(s[0]), s).astype(np.float32) for k, s in shapes.items()}
 
 
 def plain_train(optimizer):
@@ -90,11 +103,11 @@ def plain_train(optimizer):
 
 def main() -> None:
     args = common.bench_parser(__doc__).parse_args()
-    data_dim, width, batch = (64, 128, 64) if args.quick else (256, 512, 256)
+    data_dim, width, depth, batch = (64, 64, 4, 64) if args.quick else (128, 128, 16, 128)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     replicated = NamedSharding(mesh, P())
     rng = np.random.default_rng(0)
-    host = init(rng, data_dim, width)
+    host = init(rng, data_dim, width, depth)
     xs = jax.device_put(
         rng.normal(size=(batch, data_dim)).astype(np.float32), NamedSharding(mesh, P("data"))
     )
@@ -143,7 +156,11 @@ def main() -> None:
         ]
         for r in timing
     ]
-    title = f"diffusion train step, 8 devices (data {data_dim}, width {width}, batch {batch})"
+    leaves = len(jax.tree.leaves(host))
+    title = (
+        f"diffusion train step, 8 devices (data {data_dim}, width {width}, {depth} blocks, "
+        f"{leaves} params leaves, batch {batch})"
+    )
     common.print_table(title, header, cells)
     if common.should_write(args):
         common.write_table(DOC, MARKER, common.markdown_table(header, cells))

@@ -81,8 +81,9 @@ class ArrayJit:
             self._filtered[(treedef, static, donated)] = entry
         jitted, out = entry
         arrays = [x for i, x in enumerate(leaves) if not is_static(x)]
-        gift = [x for x, d in zip(arrays, self._mask(leaves, donated), strict=True) if d]
-        kept = [x for x, d in zip(arrays, self._mask(leaves, donated), strict=True) if not d]
+        mask = self._mask(leaves, donated)
+        gift = [x for x, d in zip(arrays, mask, strict=True) if d]
+        kept = [x for x, d in zip(arrays, mask, strict=True) if not d]
         out_arrays = iter(self._run(jitted, (gift, kept), {}, leaves, kept))
         out_def, out_static = out["def"], dict(out["static"])
         return jax.tree.unflatten(
