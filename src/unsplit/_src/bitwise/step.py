@@ -43,7 +43,7 @@ from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import accelerators, coupled, placement, programs, reduce, relocate
 from unsplit._src.bitwise import plan as bitwise_plan
-from unsplit._src.step import sums
+from unsplit._src.step import memory, sums
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
 default_chunk_size = bitwise_plan.default_chunk_size
@@ -419,6 +419,7 @@ class _Compiled:
                 done = dict(zip(lowered, compiled, strict=True))
                 for g, compiled in done.items():
                     programs.check_chunk(compiled, lowered[g][1])
+                    memory.check(compiled, memory.bitwise_fix(self.plan.chunk))
                     self.shared[keys[g]] = compiled
                 for head, *rest in by_size.values():
                     for g in rest:

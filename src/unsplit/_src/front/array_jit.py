@@ -25,18 +25,39 @@ from typing import Any
 import jax
 import numpy as np
 
+_TRACEABLE = (jax.Array, np.ndarray, np.generic, int, float, complex)
+# Leaf types seen to be traceable: a set lookup per leaf on later calls instead of an
+# isinstance against jax.Array (an ABC), which cost microseconds per leaf on every call
+# of a train step (measured: most of its host time, for params and optimizer state).
+_traceable_types: set[type] = set()
+
 
 def is_static(x: Any) -> bool:
     """A leaf ``jax.jit`` cannot trace: not an array, a NumPy scalar or a Python number."""
-    return not isinstance(x, jax.Array | np.ndarray | np.generic | int | float | complex)
+    kind = type(x)
+    if kind in _traceable_types:
+        return False
+    if isinstance(x, _TRACEABLE):
+        _traceable_types.add(kind)
+        return False
+    return True
 
 
 class ArrayJit:
     """``jax.jit(fn, donate_argnums=...)``, with non-array leaves static."""
 
-    def __init__(self, fn: Callable, donate_argnums: Sequence[int] = ()):
+    def __init__(
+        self,
+        fn: Callable,
+        donate_argnums: Sequence[int] = (),
+        check: Callable[[Any], None] | None = None,
+    ):
+        """``check``: called with the compiled program of each new input signature before it
+        runs (compiled then, once: the call reuses it); it may raise to refuse the program."""
         self.fn = fn
         self.donate_argnums = tuple(donate_argnums)
+        self.check = check
+        self._checked: set = set()  # the signatures whose programs were checked
         self.plain = jax.jit(fn, donate_argnums=self.donate_argnums)
         self._filtered: dict[Any, tuple[Callable, dict]] = {}
 
@@ -44,7 +65,7 @@ class ArrayJit:
         leaves, treedef = jax.tree.flatten((args, kwargs))
         static = tuple((i, x) for i, x in enumerate(leaves) if is_static(x))
         if not static:
-            return self.plain(*args, **kwargs)
+            return self._run(self.plain, args, kwargs, leaves)
         donated = self._donated(args, kwargs, len(leaves))
         try:
             entry = self._filtered.get((treedef, static, donated))
@@ -60,9 +81,10 @@ class ArrayJit:
             self._filtered[(treedef, static, donated)] = entry
         jitted, out = entry
         arrays = [x for i, x in enumerate(leaves) if not is_static(x)]
-        gift = [x for x, d in zip(arrays, self._mask(leaves, donated), strict=True) if d]
-        kept = [x for x, d in zip(arrays, self._mask(leaves, donated), strict=True) if not d]
-        out_arrays = iter(jitted(gift, kept))
+        mask = self._mask(leaves, donated)
+        gift = [x for x, d in zip(arrays, mask, strict=True) if d]
+        kept = [x for x, d in zip(arrays, mask, strict=True) if not d]
+        out_arrays = iter(self._run(jitted, (gift, kept), {}, leaves, kept))
         out_def, out_static = out["def"], dict(out["static"])
         return jax.tree.unflatten(
             out_def,
@@ -71,6 +93,29 @@ class ArrayJit:
                 for j in range(out_def.num_leaves)
             ],
         )
+
+    def _run(self, jitted, args: tuple, kwargs: dict, leaves: list, kept=None) -> Any:
+        """``jitted(*args, **kwargs)``; with ``check``, each new signature's program is
+        compiled (``lower().compile()``, which the call then reuses) and checked first.
+
+        The signature is the structure, shapes and dtypes of the arguments that are not
+        donated (the batch, the key): a few leaves, cheap on every call, not the params and
+        optimizer state, which a train step passes back as it got them (a layout of theirs
+        new to ``jax.jit`` compiles unchecked).
+        """
+        if self.check is None:
+            return jitted(*args, **kwargs)
+        if kept is None:
+            kept = ([a for i, a in enumerate(args) if i not in self.donate_argnums], kwargs)
+        kept_leaves, kept_def = jax.tree.flatten(kept)
+        signature = (len(leaves), kept_def, tuple((np.shape(x), _dtype(x)) for x in kept_leaves))
+        # Inside another jit nothing is compiled here: the caller's program is.
+        if signature not in self._checked and not any(
+            isinstance(x, jax.core.Tracer) for x in leaves
+        ):
+            self.check(jitted.lower(*args, **kwargs).compile())
+            self._checked.add(signature)
+        return jitted(*args, **kwargs)
 
     def _donated(self, args: tuple, kwargs: dict, count: int) -> tuple[int, ...]:
         """The leaf indices that come from the donated positional arguments."""
@@ -105,6 +150,12 @@ class ArrayJit:
             return [x for x in result if not is_static(x)]
 
         return jax.jit(inner, donate_argnums=0), out
+
+
+def _dtype(x: Any) -> Any:
+    """A leaf's dtype (key dtypes included), or its type (a Python number, a static leaf)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype if dtype is not None else type(x)
 
 
 def without_static(tree: Any) -> Any:

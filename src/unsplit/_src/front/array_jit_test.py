@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from unsplit._src.front.array_jit import ArrayJit, with_static, without_static
+from unsplit._src.front.array_jit import ArrayJit, is_static, with_static, without_static
 
 
 def test_plain_arrays_take_jax_jit_itself():
@@ -57,3 +57,40 @@ def test_without_and_with_static_round_trip():
     assert stripped["act"] is None and stripped["k"] == 3
     back = with_static(jax.tree.map(lambda x: x + 1, stripped), tree)
     assert back["act"] is jnp.tanh and back["k"] == 4 and back["w"].tolist() == [2.0, 2.0]
+
+
+class _Refused(Exception):
+    pass
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_check_sees_each_new_batch_signature_once_before_it_runs(static):
+    seen = []
+
+    def check(compiled):
+        seen.append(compiled.memory_analysis() is not None)
+        if refuse:
+            raise _Refused
+
+    def step(params, x):
+        return {**params, "w": params["w"] + x.sum()}, x.sum()
+
+    f = ArrayJit(step, donate_argnums=(0,), check=check)
+    params = {"w": jnp.ones(3), **({"act": jnp.tanh} if static else {})}
+    refuse = True
+    with pytest.raises(_Refused):
+        f(params, jnp.ones(2))
+    assert not params["w"].is_deleted()  # refused before it ran: nothing donated
+    refuse = False
+    params, _ = f(params, jnp.ones(2))
+    params, _ = f(params, jnp.ones(2))
+    assert len(seen) == 2  # the refused call and the first one that ran; not the next
+    params, _ = f(params, jnp.ones(4))  # a new batch shape: a new program, checked
+    assert len(seen) == 3
+    assert params["w"].tolist() == [9.0] * 3
+
+
+def test_is_static_remembers_array_types_but_not_objects():
+    assert not is_static(jnp.ones(2)) and not is_static(jnp.ones(2))  # the cached path
+    assert not is_static(np.float32(1)) and not is_static(3)
+    assert is_static(jnp.tanh) and is_static("relu") and is_static(None)

@@ -28,6 +28,7 @@ from unsplit._src.bitwise.step import BitwiseStep
 from unsplit._src.bitwise.update import CanonicalUpdate, GroupedUpdate
 from unsplit._src.front.array_jit import ArrayJit, with_static, without_static
 from unsplit._src.front.value_and_grad import Step, memory_hint
+from unsplit._src.step import memory
 from unsplit._src.step.sums import is_inexact_array
 
 
@@ -134,11 +135,16 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
             out, grads = step(state.params, batch, key, ids, frozen=frozen)
             return out, update_state(state, grads)
 
+        # The whole train step is one program: refuse it, before it runs, when it needs
+        # more memory than the devices have free (the step's own check is inside it).
+        def check(compiled):
+            memory.check(compiled, memory.default_fix(step.microbatches))
+
         return _Train(
             step,
             optimizer,
-            ArrayJit(fused, donate_argnums=(0, 1)),
-            ArrayJit(fused_state, donate_argnums=(0,)),
+            ArrayJit(fused, donate_argnums=(0, 1), check=check),
+            ArrayJit(fused_state, donate_argnums=(0,), check=check),
         )
 
     # Bitwise: the update too is one program whatever the schedule: on whole arrays, or, with

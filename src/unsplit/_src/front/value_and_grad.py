@@ -21,7 +21,7 @@ from unsplit._src.audit import finding as audit_finding
 from unsplit._src.audit import loss as audit_loss
 from unsplit._src.front.options import Bitwise, Options
 from unsplit._src.processes import agreement
-from unsplit._src.step import groups, sums, validate
+from unsplit._src.step import groups, memory, sums, validate
 from unsplit._src.step.default import DefaultStep
 from unsplit._src.step.layout import Layout
 from unsplit._src.step.sums import Result
@@ -388,17 +388,18 @@ class Step:
 
 @contextlib.contextmanager
 def memory_hint(step: Step):
-    """Out-of-memory errors raised inside get the microbatches hint; others pass unchanged."""
+    """Out-of-memory errors raised inside get the mode's fix; others pass unchanged."""
     try:
         yield
+    except memory.OutOfMemoryError:  # refused before running: it names the fix already
+        raise
     except Exception as error:
         text = str(error)
         if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
             raise
-        raise type(error)(
-            f"{text}\n\nunsplit: the step ran out of device memory. Activation memory grows "
-            f"with the examples each device processes at once (now {step.microbatches} "
-            "microbatch(es) per device). Fix: raise microbatches=... (the result does not "
-            "change), add devices to the batch axes, or shard the params (FSDP / tensor "
-            "parallel)."
-        ) from error
+        fix = (
+            memory.bitwise_fix(step.chunk_size)
+            if step.bitwise
+            else memory.default_fix(step.microbatches)
+        )
+        raise type(error)(f"{text}\n\nunsplit: the step ran out of device memory. {fix}") from error

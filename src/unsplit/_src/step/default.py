@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src.processes import agreement, fingerprint
-from unsplit._src.step import coupled, sums, validate
+from unsplit._src.step import coupled, memory, sums, validate
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
 
@@ -82,6 +82,11 @@ class DefaultStep:
             ) from None
         if program is None:
             program = self._compile(structure, shardings)
+            if not validate.is_traced(arrays, batch, key, ids):
+                # Compiled here, once (the call below reuses it), to refuse a program too big
+                # for the devices before it runs rather than fail in block_until_ready.
+                compiled = program.lower(arrays, batch, key, ids).compile()
+                memory.check(compiled, memory.default_fix(self.microbatches))
             self._programs[(structure, shardings)] = program
         return structure, program, (arrays, batch, key, ids)
 
