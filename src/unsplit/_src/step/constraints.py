@@ -20,7 +20,12 @@ any sharding, evaluates it with every sharding moved onto the program's mesh:
   sharding constraint over them (the same placement; XLA moves the data), over
   axes that stay Explicit a ``reshard``;
 * an ``out_sharding`` (and any other sharding parameter) keeps its Explicit
-  axes, or is left to XLA where the program has none.
+  axes, or is left to XLA where the program has none;
+* a ``jit`` inside the loss is inlined; a ``custom_jvp`` keeps its rule; a
+  ``custom_vjp`` is differentiated through its primal computation (its bwd rule
+  checks the cotangents' types on the user's mesh, which the program's values
+  do not have): the same gradient unless the rule is not the primal's derivative
+  (a straight-through estimator), in a loss with sharding annotations only.
 
 A loss with no sharding in it runs as it is. :func:`activation_axes` lists the
 mesh axes a loss's annotations name: bitwise mode makes those that shard
@@ -33,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.extend.linear_util as lu
 from jax.extend import core
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -78,7 +84,7 @@ def retargeted(loss_fn, user_mesh, keep: tuple[str, ...], target=None):
         closed, out_tree = _user_trace(loss_fn, treedef, leaves, mask, user_mesh)
         if closed is None or not _has_sharding(closed.jaxpr):
             return loss_fn(params, example, key)
-        rewrite = _Rewrite(tuple(keep), target)
+        rewrite = _Rewrite(user_mesh, tuple(keep), target)
         out = rewrite.eval(closed.jaxpr, closed.consts, *arrays)
         return jax.tree.unflatten(out_tree, out)
 
@@ -185,7 +191,8 @@ def _collect(jaxpr: core.Jaxpr, found: set[str]) -> None:
 class _Rewrite:
     """Evaluates a jaxpr traced on the user's mesh, its shardings on the program's mesh."""
 
-    def __init__(self, keep: tuple[str, ...], target):
+    def __init__(self, user, keep: tuple[str, ...], target):
+        self.user = user
         self.keep = keep
         self.target = target
 
@@ -231,6 +238,24 @@ class _Rewrite:
         spec = self.spec(value.spec, mesh)
         spec = P(*(e if e is P.UNCONSTRAINED else _only(e, explicit) for e in spec))
         return NamedSharding(mesh, spec)
+
+    def custom(self, params: dict) -> dict:
+        """A custom_jvp call's params, its jvp rule's jaxpr moved like the body.
+
+        The rule is traced lazily, from the types it had on the user's mesh: it is
+        traced there, then again through :meth:`eval`.
+        """
+        new = dict(params, call_jaxpr=self.jaxpr_param(params["call_jaxpr"]))
+        field = "jvp_jaxpr_fun"
+        thunk = params[field]
+
+        def moved(*zeros):
+            with jax.sharding.use_abstract_mesh(self.user.abstract_mesh):
+                jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+            return (*self.retrace(jaxpr, consts), *rest)
+
+        new[field] = lu.wrap_init(moved, debug_info=thunk.debug_info)
+        return new
 
     def jaxpr_param(self, value: Any) -> Any:
         if isinstance(value, core.ClosedJaxpr):
@@ -279,6 +304,14 @@ class _Rewrite:
                 ans = self.constrain(invals[0], params["dst_sharding"], explicit_too=True)
             elif name in _CALLS and "jaxpr" in params:  # a jit inside the loss: inlined
                 body = params["jaxpr"]
+                ans = self.eval(body.jaxpr, body.consts, *invals)
+            elif name == "custom_jvp_call":
+                new = eqn.primitive.get_bind_params(self.custom(params))
+                ans = eqn.primitive.bind(*invals, **new)
+            elif name == "custom_vjp_call":
+                # Its bwd rule checks cotangents against the types on the user's mesh, which
+                # the program's values do not have: differentiated through its primal instead.
+                body = params["call_jaxpr"]
                 ans = self.eval(body.jaxpr, body.consts, *invals)
             else:
                 new = {k: self.param(v) for k, v in params.items()}
