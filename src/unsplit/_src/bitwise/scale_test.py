@@ -43,3 +43,10 @@ def test_the_formulas_match_bitwise_cost(sizes):
     held = expected["step"] - 2 * expected["params"] - 3 * expected["params"]
     # The sums carry the loss and weight too (8 bytes per chunk sum).
     assert held <= cost.partial_sums_bytes <= held * 1.02
+
+
+def test_the_docs_table_is_the_formulas_output():
+    import pathlib
+
+    page = pathlib.Path(__file__).resolve().parents[4] / "docs" / "bitwise.md"
+    assert scale.table() in page.read_text()
