@@ -8,6 +8,7 @@ rounding); bitwise mode with FSDP groups ends in the same bits at data degree 1 
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -15,10 +16,33 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src import test_util
 
 SPECS = {"w1": P("fsdp", "model"), "b1": P("model"), "w2": P("model", "fsdp"), "b2": P()}
 STEPS = 3
+B, D, H, C = 32, 8, 16, 4
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": rng.normal(0, 0.3, (D, H)).astype(np.float32),
+        "b1": np.zeros((H,), np.float32),
+        "w2": rng.normal(0, 0.3, (H, C)).astype(np.float32),
+        "b2": np.zeros((C,), np.float32),
+    }
+
+
+def _batch():
+    rng = np.random.default_rng(1)
+    return {"x": rng.normal(size=(B, D)).astype(np.float32), "y": np.arange(B) % C}
+
+
+def _loss(p, example, key):
+    h = jax.nn.relu(example["x"] @ p["w1"] + p["b1"])
+    h = unsplit.dropout(key, h, 0.2)
+    # Tensor parallel on Explicit axes: the contraction over "model" needs its output sharding.
+    logits = jnp.matmul(h, p["w2"], out_sharding=P()) + p["b2"]
+    return -jax.nn.log_softmax(logits)[example["y"]]
 
 
 @pytest.fixture(autouse=True)
@@ -29,18 +53,13 @@ def standard_promotion():
 
 def _train(data, options):
     mesh = jax.make_mesh((data, 2, 2), ("data", "fsdp", "model"), devices=jax.devices()[: 4 * data])
-    params = {
-        k: jax.device_put(v, NamedSharding(mesh, SPECS[k]))
-        for k, v in test_util.mlp_params().items()
-    }
+    params = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in _params().items()}
     optimizer = optax.adamw(1e-2)
     with jax.set_mesh(mesh):
         opt_state = optimizer.init(params)
-    step = unsplit.value_and_grad(
-        test_util.MLP_LOSSES[False], mesh=mesh, batch_axes=("data", "fsdp"), **options
-    )
+    step = unsplit.value_and_grad(_loss, mesh=mesh, batch_axes=("data", "fsdp"), **options)
     train = unsplit.train_step(step, optimizer)
-    batch = test_util.mlp_batch()
+    batch = _batch()
     for i in range(STEPS):
         loss, params, opt_state = train(params, opt_state, batch, jax.random.key(i))
     for k, v in params.items():
