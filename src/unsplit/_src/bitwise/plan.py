@@ -246,11 +246,28 @@ def _activation_axes(spec, structure, arrays, batch, key, layout: Layout) -> set
         lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], canonical_dtype(x.dtype)), batch
     )
     shapes = [jax.ShapeDtypeStruct(np.shape(a), canonical_dtype(a.dtype)) for a in arrays]
-    params = structure.merge(shapes)
-    found = constraints.activation_axes(
-        spec.loss_fn, layout.mesh, params, example, example_key(key)
+    mesh = layout.mesh
+    # Traced once per loss, inputs' types and mesh (like the loss dtype): not per batch size.
+    signature = (
+        "axes",
+        structure,
+        tuple((s.shape, str(s.dtype)) for s in shapes),
+        jax.tree.structure(example),
+        tuple((e.shape, str(e.dtype)) for e in jax.tree.leaves(example)),
+        (np.shape(key), str(key.dtype)),
+        tuple(mesh.axis_names),
+        tuple(mesh.axis_types),
     )
-    return {a for a in found if a not in layout.batch_axes and layout.mesh.shape[a] > 1}
+    try:
+        memo = _LOSS_DTYPES.setdefault(spec.loss_fn, {})
+    except TypeError:  # a loss that cannot be weakly referenced: traced for every plan
+        memo = {}
+    if signature not in memo:
+        params = structure.merge(shapes)
+        memo[signature] = constraints.activation_axes(
+            spec.loss_fn, mesh, params, example, example_key(key)
+        )
+    return {a for a in memo[signature] if a not in layout.batch_axes and mesh.shape[a] > 1}
 
 
 def _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key) -> FlatPlan:
