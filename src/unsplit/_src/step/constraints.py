@@ -82,7 +82,8 @@ def retargeted(loss_fn, user_mesh, keep: tuple[str, ...], target=None):
         mask = [_is_array(x) for x in leaves]
         arrays = [x for x, m in zip(leaves, mask, strict=True) if m]
         closed, out_tree = _user_trace(loss_fn, treedef, leaves, mask, user_mesh)
-        if closed is None or not _has_sharding(closed.jaxpr):
+        explicit = AxisType.Explicit in tuple(user_mesh.axis_types)
+        if closed is None or not _has_sharding(closed.jaxpr, explicit):
             return loss_fn(params, example, key)
         rewrite = _Rewrite(user_mesh, tuple(keep), target)
         out = rewrite.eval(closed.jaxpr, closed.consts, *arrays)
@@ -171,11 +172,13 @@ def _subjaxprs(params: dict) -> list[Any]:
     return found
 
 
-def _has_sharding(jaxpr: core.Jaxpr) -> bool:
+def _has_sharding(jaxpr: core.Jaxpr, explicit: bool) -> bool:
+    """A constraint, or (on a mesh with Explicit axes) a sharding parameter such as
+    ``out_sharding``; on Auto axes the other parameters (an ``iota``'s) are XLA's hints."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _CONSTRAINTS or _shardings(eqn.params):
+        if eqn.primitive.name in _CONSTRAINTS or (explicit and _shardings(eqn.params)):
             return True
-        if any(_has_sharding(j) for j in _subjaxprs(eqn.params)):
+        if any(_has_sharding(j, explicit) for j in _subjaxprs(eqn.params)):
             return True
     return False
 
