@@ -173,10 +173,12 @@ def _subjaxprs(params: dict) -> list[Any]:
 
 
 def _has_sharding(jaxpr: core.Jaxpr, explicit: bool) -> bool:
-    """A constraint, or (on a mesh with Explicit axes) a sharding parameter such as
-    ``out_sharding``; on Auto axes the other parameters (an ``iota``'s) are XLA's hints."""
+    """A constraint, or (on a mesh with Explicit axes) an ``out_sharding``. The sharding
+    parameters JAX adds itself (an ``iota``'s, a ``broadcast``'s) follow the program's mesh
+    there: a loss with only those runs as it is, the same program as on one device."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _CONSTRAINTS or (explicit and _shardings(eqn.params)):
+        placed = isinstance(eqn.params.get("out_sharding"), NamedSharding)
+        if eqn.primitive.name in _CONSTRAINTS or (explicit and placed):
             return True
         if any(_has_sharding(j, explicit) for j in _subjaxprs(eqn.params)):
             return True
