@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import unsplit
 
@@ -112,3 +114,30 @@ def test_negative_control_per_microbatch_balancing_changes_with_the_microbatch_c
 
     values = [per_microbatch(k) for k in (1, 2, 4)]
     assert len({round(v, 7) for v in values}) > 1
+
+
+@pytest.mark.parametrize("bitwise", [False, True], ids=["default", "bitwise"])
+def test_experts_sharded_over_an_expert_axis(bitwise):
+    """Expert parallel: the experts' weights over an ``expert`` axis (a model axis), the
+    batch over ``data``; the reference's values, grads sharded like the experts, and in
+    bitwise mode the same bits at every data-parallel degree."""
+    ref_loss, ref_grads = reference()
+    runs = []
+    for data_degree in (1, 2):
+        mesh = jax.make_mesh(
+            (data_degree, 2), ("data", "expert"), devices=jax.devices()[: 2 * data_degree],
+            axis_types=(jax.sharding.AxisType.Auto,) * 2,
+        )  # fmt: skip
+        specs = {"router": P(), "experts": P("expert"), "out": P()}
+        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in init().items()}
+        options = {"bitwise": True, "chunk_size": 4} if bitwise else {}
+        step = unsplit.value_and_grad(
+            features_fn, batch_loss=batch_loss_fn, mesh=mesh, batch_axes="data", **options
+        )
+        loss, grads = step(params, data(), KEY)
+        assert grads["experts"].sharding.spec == P("expert")
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+        assert unsplit.testing.rel_l2(grads, ref_grads) <= 1e-5
+        runs.append(jax.device_get((loss, grads)))
+    if bitwise:
+        assert all(unsplit.testing.bits_equal(r, runs[0]) for r in runs[1:])

@@ -100,7 +100,8 @@ def bitwise_cost(
     state, placed = engine.prepare(params, grouped, key)
     if not state.executables:
         step(params, batch, key, ids)
-    return _cost(state, placed)
+    with jax.set_mesh(None):  # its programs are compiled on their own meshes, as the step runs
+        return _cost(state, placed)
 
 
 def _cost(state: Any, params: Any) -> BitwiseCost:

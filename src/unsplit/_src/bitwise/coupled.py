@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
+from unsplit._src.bitwise import plan as plan_lib
 from unsplit._src.bitwise import programs
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import coupled, sums
@@ -41,6 +42,7 @@ def features_program(plan: Plan, spec: sums.LossSpec, group: int):
     groups: each device its piece of the chunk's rows).
     """
     io = programs.GroupIO(plan, group)
+    spec = plan_lib.retargeted(spec, plan.layout, plan.group_axes, io.gmesh)  # its shardings
     structure = plan.structure
 
     def run(vectors, chunk, hi, lo, key):
@@ -78,6 +80,7 @@ def loss_program(plan: Plan, spec: sums.LossSpec, group: int):
 def pullback_program(plan: Plan, spec: sums.LossSpec, group: int):
     """Pass 3: one chunk's param grads from its features' cotangents, packed like the sums."""
     io = programs.GroupIO(plan, group)
+    spec = plan_lib.retargeted(spec, plan.layout, plan.group_axes, io.gmesh)  # its shardings
     structure = plan.structure
 
     def run(vectors, chunk, hi, lo, key, cotangent):

@@ -32,7 +32,7 @@ from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import reduce
 from unsplit._src.bitwise.flat import FlatPlan
-from unsplit._src.step import sums, validate
+from unsplit._src.step import constraints, sums, validate
 from unsplit._src.step.layout import Layout
 from unsplit._src.trees import canonical_dtype
 
@@ -172,6 +172,9 @@ def make_plan(
     used = {n for s in specs for n in partition.spec_axes(s)}
     # A chunk axis of one device is no group: its groups are one device, as without it.
     chunk_axes = tuple(a for a in chunk_axes if mesh.shape[a] > 1)
+    # Axes that shard an example's activations but not the batch or the params (context
+    # parallelism) compute a chunk together too, like model axes (step/constraints).
+    used |= _activation_axes(spec, structure, arrays, batch, key, layout)
     model = tuple(a for a in mesh.axis_names if a in used and a not in layout.batch_axes)
     group_axes = (*chunk_axes, *model)
     outer = tuple(a for a in layout.batch_axes if a not in chunk_axes)
@@ -184,7 +187,7 @@ def make_plan(
         for a, ls in zip(arrays, local_specs, strict=True)
     ]
     params_flat = FlatPlan.of(arrays, local_shapes)
-    sums_flat = _sums_layout(spec, structure, arrays, local_shapes, batch, key)
+    sums_flat = _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key)
     chunks = size // chunk
     groups = math.prod(compute.shape[a] for a in outer_axes)
     per_group = chunks // groups
@@ -225,7 +228,37 @@ def _check_dimensions(paths, specs, outer, group_axes, model) -> None:
                 )
 
 
-def _sums_layout(spec, structure, arrays, local_shapes, batch, key) -> FlatPlan:
+def _activation_axes(spec, structure, arrays, batch, key, layout: Layout) -> set[str]:
+    """The mesh axes the loss's sharding annotations name, other than batch axes."""
+    example = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], canonical_dtype(x.dtype)), batch
+    )
+    shapes = [jax.ShapeDtypeStruct(np.shape(a), canonical_dtype(a.dtype)) for a in arrays]
+    mesh = layout.mesh
+    # Traced once per loss, inputs' types and mesh (like the loss dtype): not per batch size.
+    signature = (
+        "axes",
+        structure,
+        tuple((s.shape, str(s.dtype)) for s in shapes),
+        jax.tree.structure(example),
+        tuple((e.shape, str(e.dtype)) for e in jax.tree.leaves(example)),
+        (np.shape(key), str(key.dtype)),
+        tuple(mesh.axis_names),
+        tuple(mesh.axis_types),
+    )
+    try:
+        memo = _LOSS_DTYPES.setdefault(spec.loss_fn, {})
+    except TypeError:  # a loss that cannot be weakly referenced: traced for every plan
+        memo = {}
+    if signature not in memo:
+        params = structure.merge(shapes)
+        memo[signature] = constraints.activation_axes(
+            spec.loss_fn, mesh, params, example, example_key(key)
+        )
+    return {a for a in memo[signature] if a not in layout.batch_axes and mesh.shape[a] > 1}
+
+
+def _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key) -> FlatPlan:
     """The flat layout of a chunk's sums: the grads (wide floats), then loss and weight."""
     diff_shapes = [s for s, d in zip(local_shapes, structure.diff, strict=True) if d]
     grads = [
@@ -235,7 +268,9 @@ def _sums_layout(spec, structure, arrays, local_shapes, batch, key) -> FlatPlan:
     # A coupled loss's chunks carry only grads: their loss and weight slots are 0.
     coupled = spec.batch_loss is not None
     loss_dtype = (
-        np.dtype(np.float32) if coupled else _loss_dtype(spec, structure, arrays, batch, key)
+        np.dtype(np.float32)
+        if coupled
+        else _loss_dtype(spec, layout, structure, arrays, batch, key)
     )
     scalars = [jax.ShapeDtypeStruct((), loss_dtype), jax.ShapeDtypeStruct((), loss_dtype)]
     return FlatPlan.of([*grads, *scalars])
@@ -286,7 +321,7 @@ def _depth(start: int, count: int) -> int:
 _LOSS_DTYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _loss_dtype(spec, structure, arrays, batch, key) -> Any:
+def _loss_dtype(spec, layout, structure, arrays, batch, key) -> Any:
     """The dtype of the loss sums (float32 unless the loss is wider), from one example's trace
     (traced once per signature: the batch size is not part of it)."""
     example = jax.tree.map(
@@ -306,19 +341,28 @@ def _loss_dtype(spec, structure, arrays, batch, key) -> Any:
     except TypeError:  # a loss that cannot be weakly referenced: traced for every plan
         memo = {}
     if signature not in memo:
-        memo[signature] = _traced_loss_dtype(spec, structure, arrays, example, key)
+        memo[signature] = _traced_loss_dtype(spec, layout, structure, arrays, example, key)
     return memo[signature]
 
 
-def _traced_loss_dtype(spec, structure, arrays, example, key) -> Any:
+def _traced_loss_dtype(spec, layout, structure, arrays, example, key) -> Any:
 
     def one(arrays, example, key):
         loss_sum, weight, _ = sums.call_loss(spec, structure.merge(arrays), example, key)
         return loss_sum, weight
 
     shapes = [jax.ShapeDtypeStruct(np.shape(a), canonical_dtype(a.dtype)) for a in arrays]
+    # Traced with no mesh, as the chunk program is: the loss's shardings left to XLA.
+    spec = retargeted(spec, layout, ())
     loss, _ = jax.eval_shape(one, shapes, example, example_key(key))
     return jax.numpy.dtype(loss.dtype)
+
+
+def retargeted(spec: sums.LossSpec, layout: Layout, group_axes: tuple[str, ...], gmesh=None):
+    """``spec`` whose loss has its shardings on the group's mesh (the user's mesh's other
+    axes dropped: data parallel there), as a chunk program traces it."""
+    loss_fn = constraints.retargeted(spec.loss_fn, layout.mesh, keep=group_axes, target=gmesh)
+    return dataclasses.replace(spec, loss_fn=loss_fn)
 
 
 def example_key(key: Any) -> jax.ShapeDtypeStruct:

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import canonical_dots, reduce
+from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import sums
 
@@ -146,6 +147,14 @@ class GroupIO:
         split = NamedSharding(self.gmesh, P(self.centry))
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, split), tree)
 
+    def aux(self, tree):
+        """Per-example aux with its rows as the chunk's (split over the chunk axes) and
+        whole over the group's other axes (an activation sharded over a sequence axis)."""
+        if self.gmesh is None:
+            return tree
+        rows = NamedSharding(self.gmesh, P(self.centry))
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rows), tree)
+
     def replicated(self, tree):
         """``tree`` whole on every device of the group (one-device groups: as it is)."""
         if self.gmesh is None:
@@ -163,6 +172,8 @@ def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
     changed.
     """
     io = GroupIO(plan, group)
+    # The loss's shardings name the user's mesh: moved onto the group's (step/constraints).
+    spec = bitwise_plan.retargeted(spec, plan.layout, plan.group_axes, io.gmesh)
 
     def run(vectors, chunk, hi, lo, key):
         chunk, hi, lo = io.rows((chunk, hi, lo))
@@ -170,7 +181,7 @@ def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
         (loss_sum, weight, grads), aux = sums.example_sums(
             spec, plan.structure, io.unpack(vectors), chunk, key, ids
         )
-        return io.pack_sums(grads, loss_sum, weight), aux
+        return io.pack_sums(grads, loss_sum, weight), io.aux(aux)
 
     return run
 

@@ -305,6 +305,13 @@ class _Compiled:
         return self.shared[key]
 
     def run(self, params, batch, key, ids):
+        # Under the user's jax.set_mesh the one-group programs would be checked against
+        # that mesh's devices; they run on their group's own (the loss's shardings were
+        # moved there when traced: step/constraints).
+        with jax.set_mesh(None):
+            return self._run(params, batch, key, ids)
+
+    def _run(self, params, batch, key, ids):
         inputs = self._inputs(params, batch, ids, key)
         if not self.executables:
             self._compile(inputs)
@@ -512,7 +519,7 @@ class _CoupledCompiled(_Compiled):
         )
         self.stages: dict[str, Any] = {}
 
-    def run(self, params, batch, key, ids):
+    def _run(self, params, batch, key, ids):
         plan = self.plan
         inputs = self._inputs(params, batch, ids, key)
         args = {g: (v, *chunks[0], k) for g, (v, chunks, k) in inputs.items()}

@@ -17,6 +17,7 @@ float rounding: XLA picks the order of the sums).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src.processes import agreement, fingerprint
-from unsplit._src.step import coupled, memory, sums, validate
+from unsplit._src.step import constraints, coupled, memory, sums, validate
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
 
@@ -35,7 +36,10 @@ class DefaultStep:
     """Runs a step in default mode; one compiled program per params layout and input shapes."""
 
     def __init__(self, spec: sums.LossSpec, layout: Layout, microbatches: int, settings=None):
-        self.spec = spec
+        # The loss's shardings (constraints, out_sharding) name the user's mesh; inside the
+        # program the batch axes are Auto and the vmap's: moved there (step/constraints).
+        loss_fn = constraints.retargeted(spec.loss_fn, layout.mesh, keep=layout.model_axes)
+        self.spec = dataclasses.replace(spec, loss_fn=loss_fn)
         self.layout = layout
         self.microbatches = microbatches
         self.settings = settings or {}
