@@ -82,7 +82,7 @@ def bitwise_cost(
     Runs the step once if its programs for inputs of this shape are not compiled yet.
     Per-example losses only: a ``batch_loss`` step runs other programs (its passes).
     """
-    engine = getattr(step, "engine", None)
+    engine = getattr(step, "_engine", None)
     if not isinstance(engine, BitwiseStep):
         raise TypeError(
             f"bitwise_cost reads a bitwise step's programs; got {step!r}. Fix: pass a step "

@@ -12,10 +12,15 @@ another order would run a program (and across processes may not run at all).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from unsplit._src import partition
 
 
 def rename(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -107,3 +112,84 @@ def _identity(sharding: jax.sharding.Sharding):
     if sharding not in _IDENTITIES:
         _IDENTITIES[sharding] = jax.jit(lambda t: t, out_shardings=sharding)
     return _IDENTITIES[sharding]
+
+
+def everywhere(x, sharding):
+    """``x`` (one device, the same value in every process) as a replicated global array."""
+    if not isinstance(sharding, NamedSharding):
+        return jax.device_put(x, sharding)
+    copies = [jax.device_put(x, d) for d in sharding.addressable_devices]
+    return jax.make_array_from_single_device_arrays(np.shape(x), sharding, copies)
+
+
+class Placer:
+    """Puts a group's inputs on its devices: its rows of the batch, the whole key, its params."""
+
+    def __init__(self, gmesh: Mesh, devices: list, start: int, rows: int, chunk_axes=()):
+        self.gmesh, self.start, self.rows_n = gmesh, start, rows
+        # A group may span processes (an FSDP group of 64 over 8 hosts): each process puts
+        # only its own devices' pieces; ``size`` counts every device of the group.
+        self.size = len(devices)
+        self.devices = addressable(devices)
+        self.replicated = NamedSharding(gmesh, P())
+        self.chunk_axes = tuple(chunk_axes)
+        # FSDP groups: the group's rows split over the chunk axes in order (as the batch
+        # comes), and each chunk split the same way (``split``).
+        self.split = NamedSharding(gmesh, P(partition.entry(self.chunk_axes)))
+        pieces = math.prod(gmesh.shape[a] for a in self.chunk_axes) if self.chunk_axes else 1
+        self.piece = rows // pieces
+        if self.chunk_axes:
+            index = self.split.devices_indices_map((rows,))
+            self.starts = {d: start + (index[d][0].start or 0) for d in devices}
+        else:
+            self.starts = {d: start for d in devices}
+
+    def flat(self, vector, by_device):
+        shards = [by_device[d] for d in self.devices]
+        if self.size == 1:
+            return self.one_device(shards[0])
+        axes = tuple(self.gmesh.axis_names)
+        sharding = NamedSharding(self.gmesh, P(axes if len(axes) > 1 else axes[0]))
+        length = shards[0].shape[0] * self.size
+        return jax.make_array_from_single_device_arrays((length,), sharding, shards)
+
+    def rows(self, x):
+        stop = self.start + self.rows_n
+        if isinstance(x, jax.Array):
+            found = {}
+            for s in x.addressable_shards:
+                lo = s.index[0].start or 0
+                here = s.device in self.starts and lo == self.starts[s.device]
+                if here and s.data.shape[0] == self.piece:
+                    found[s.device] = s.data
+            if all(d in found for d in self.devices):
+                pieces = [found[d] for d in self.devices]
+                if self.size == 1:
+                    return self.one_device(pieces[0])
+                sharding = self.split if self.chunk_axes else self.replicated
+                return jax.make_array_from_single_device_arrays(
+                    (self.rows_n, *pieces[0].shape[1:]), sharding, pieces
+                )
+            if not x.is_fully_addressable:
+                raise ValueError(
+                    "a batch leaf is a global jax.Array whose rows for a local device group live "
+                    "in another process. Fix: build the batch with unsplit.global_batch("
+                    "local_rows, mesh) on the step's mesh."
+                )
+        host = np.asarray(x[self.start : stop])
+        if self.size == 1:
+            return jax.device_put(host, self.devices[0])
+        return jax.device_put(host, self.split if self.chunk_axes else self.replicated)
+
+    def one_device(self, x):
+        """``x`` as a plain one-device array: a one-device mesh's shard can still be typed by
+        that mesh (Explicit axes), and the one-device chunk program takes no mesh types.
+        ``device_put`` onto the device keeps that type; the array's one buffer does not."""
+        if x.devices() != {self.devices[0]}:
+            x = jax.device_put(x, self.devices[0])
+        return x.addressable_data(0)
+
+    def whole(self, x):
+        if self.size == 1:
+            return self.one_device(jax.device_put(x, self.devices[0]))
+        return replicate(x, self.replicated)

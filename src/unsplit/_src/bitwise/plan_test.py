@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import unsplit
 from unsplit._src import test_util as testing
-from unsplit._src.bitwise import step as bitwise_step
+from unsplit._src.bitwise import schedule as bitwise_schedule
 from unsplit._src.models import transformer as tf
 
 pytestmark = pytest.mark.xdist_group("bitwise")
@@ -308,7 +308,7 @@ def test_chunk_axes_need_bitwise_mode():
 
 
 def test_large_gathered_params_warn_once_and_point_to_chunk_axes(monkeypatch):
-    monkeypatch.setattr(bitwise_step, "GATHERED_WARN_BYTES", 1024)
+    monkeypatch.setattr(bitwise_schedule, "GATHERED_WARN_BYTES", 1024)
     mesh = group_mesh(1)
     params = group_placed(mesh)
     batch = jax.tree.map(lambda x: x[:8], BATCH)

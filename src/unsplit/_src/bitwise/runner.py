@@ -1,0 +1,193 @@
+"""Bitwise mode's runner: one plan's programs, dispatched per call.
+
+:class:`Runner` places a call's inputs on each local group's devices (its
+rows, the key, the params as flat vectors), runs the group's chunk program
+once per chunk of its share, adds the chunk sums in the canonical tree as they
+come (:mod:`unsplit._src.bitwise.reduce`), combines the groups' blocks in the
+fixed-order reduce-scatter and unpacks the total into grads with the params'
+shardings (the four programs: :mod:`unsplit._src.bitwise.programs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from unsplit._src import keys as keys_lib
+from unsplit._src import partition
+from unsplit._src.bitwise import cache, placement, programs, reduce
+from unsplit._src.bitwise.plan import Plan
+
+
+class Runner:
+    """The programs of one plan, compiled on first use, and the per-call placement of inputs."""
+
+    def __init__(self, owner: Any, plan: Plan):
+        self.owner = owner
+        self.plan = plan
+        mesh = owner.layout.mesh
+        self.shared = cache.shared(owner.spec)
+        self.pack = self._program(("pack", plan), lambda: programs.pack_program(plan))
+        self.combine = self._program(("combine", plan), lambda: programs.combine_program(plan))
+        if owner.single:
+            device = mesh.devices.flat[0]
+            grad_shardings = [jax.sharding.SingleDeviceSharding(device)] * sum(plan.structure.diff)
+            loss_sharding = jax.sharding.SingleDeviceSharding(device)
+        else:
+            specs = [s for s, d in zip(plan.given, plan.structure.diff, strict=True) if d]
+            grad_shardings = [NamedSharding(mesh, s) for s in specs]
+            loss_sharding = NamedSharding(mesh, P())
+        self.grad_shardings, self.loss_sharding = grad_shardings, loss_sharding
+        self.unpack = self._program(
+            ("unpack", plan, owner.single),
+            lambda: programs.unpack_program(plan, grad_shardings, loss_sharding),
+        )
+        me = jax.process_index()
+        self.local_groups = [
+            g
+            for g in range(plan.groups)
+            if any(d.process_index == me for d in plan.group_devices(g).flat)
+        ]
+        self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
+        self.executables: dict[int, Any] = {}
+        gentry = partition.entry(plan.group_axes)
+        self.slots_sharding = NamedSharding(plan.compute, P(plan.outer_entry, None, gentry))
+        self.total_sharding = NamedSharding(mesh, P(gentry))
+
+    def combine_slots(self) -> list[jax.ShapeDtypeStruct]:
+        """The combine program's inputs: every group's blocks of packed sums, stacked."""
+        plan = self.plan
+        return [
+            jax.ShapeDtypeStruct(
+                (plan.groups, plan.slots, n * plan.group_size), dtype, sharding=self.slots_sharding
+            )
+            for n, dtype in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
+        ]
+
+    def combine_compiled(self) -> Any:
+        """The combine program for this plan, compiled (its HLO, bytes sent and memory)."""
+        return self.combine.lower(*self.combine_slots()).compile()
+
+    def _program(self, key, build):
+        """A jitted data-movement program, shared like the chunk programs."""
+        if key not in self.shared:
+            self.shared[key] = build()
+        return self.shared[key]
+
+    def run(self, params, batch, key, ids):
+        # Under the user's jax.set_mesh the one-group programs would be checked against
+        # that mesh's devices; they run on their group's own (the loss's shardings were
+        # moved there when traced: step/constraints).
+        with jax.set_mesh(None):
+            return self._run(params, batch, key, ids)
+
+    def _run(self, params, batch, key, ids):
+        inputs = self._inputs(params, batch, ids, key)
+        if not self.executables:
+            self._compile(inputs)
+        aux_parts: dict[int, list] = {g: [] for g in self.local_groups}
+
+        def chunk_sums(g):  # every call is asynchronous: the groups run at once
+            group_vectors, chunks, group_key = inputs[g]
+            for chunk in chunks:
+                sums, aux = self.executables[g](group_vectors, *chunk, group_key)
+                aux_parts[g].append(aux)
+                yield sums
+
+        totals = self._total({g: chunk_sums(g) for g in self.local_groups})
+        loss, grads, weight = self.unpack(totals)
+        aux = None
+        if self.owner.spec.has_aux:
+            aux = self._aux({g: self._concat(aux_parts[g], g) for g in self.local_groups})
+        return loss, grads, aux, weight
+
+    def _concat(self, parts, g: int):
+        """A group's chunks' aux in row order (FSDP groups: each device its block of rows)."""
+        if not self.plan.chunk_axes:
+            return programs.concat_rows(parts)
+        entry = partition.entry(self.plan.chunk_axes)
+        return programs.row_concat(NamedSharding(self.plan.group_mesh(g), P(entry)))(parts)
+
+    def _inputs(self, params, batch, ids, key) -> dict:
+        """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices."""
+        plan = self.plan
+        vectors = self.pack(params)
+        by_device = [{s.device: s.data for s in v.addressable_shards} for v in vectors]
+        rows = plan.per_group * plan.chunk
+        hi, lo = keys_lib.step_words(ids, plan.chunks * plan.chunk, on_host=True)
+        inputs = {}
+        for g in self.local_groups:
+            gmesh = plan.group_mesh(g)
+            devices = list(plan.group_devices(g).flat)
+            place = placement.Placer(gmesh, devices, g * rows, rows, plan.chunk_axes)
+            group_vectors = [place.flat(v, by_device[i]) for i, v in enumerate(vectors)]
+            group_rows = (jax.tree.map(place.rows, batch), place.rows(hi), place.rows(lo))
+            if plan.chunk_axes:
+                chunks = programs.chunk_splitter(plan.chunk, place.split)(group_rows)
+            else:
+                chunks = programs.split_chunks(group_rows, plan.chunk)
+            inputs[g] = (group_vectors, chunks, place.whole(key))
+        return inputs
+
+    def _total(self, outs: dict) -> Any:
+        """The groups' per-chunk packed sums added in the canonical tree, on the user's mesh.
+
+        ``outs[g]`` yields group ``g``'s chunk sums in order; each is added as soon as its
+        sibling in the tree is there, so a group holds O(log chunks) of them, not all.
+        """
+        plan = self.plan
+        blocks = {}
+        for g in self.local_groups:
+            acc = reduce.Accumulator(add=programs.add_blocks)
+            for i, chunk_sums in enumerate(outs[g]):
+                acc.push(g * plan.per_group + i, chunk_sums)
+                del chunk_sums  # the accumulator holds it (or its sum) from here
+            blocks[g] = list(acc.blocks.values())  # left to right
+        stacked = {g: programs.stack_blocks(blocks[g], plan.slots) for g in self.local_groups}
+        slots = [
+            jax.make_array_from_single_device_arrays(
+                (plan.groups, *stacked[self.local_groups[0]][i].shape[1:]),
+                self.slots_sharding,
+                [s.data for g in self.local_groups for s in stacked[g][i].addressable_shards],
+            )
+            for i in range(len(plan.sums_flat.vectors))
+        ]
+        if jax.process_count() > 1:
+            # Multi-process (gloo on CPU): a collective program dispatched while many one-device
+            # programs are still queued hung under load (measured: 2 processes, 50 steps, a
+            # busy machine). Wait for this process's chunk sums before the combine.
+            jax.block_until_ready(slots)
+        totals = self.combine(*slots)
+        # On the user's mesh: the same buffers when its devices are the compute mesh's (in
+        # any axis order), else copied to the devices of the axes no param uses.
+        return placement.rename_tree(totals, self.total_sharding)
+
+    def _compiled(self, fns: dict, args: dict, tag: str) -> dict:
+        """The local groups' programs ``fns`` for ``args``, from the cache or compiled."""
+        return cache.compile_groups(
+            self.shared, self.plan, self.owner.spec, self.local_groups, fns, args, tag
+        )
+
+    def _compile(self, inputs) -> None:
+        """Compiles the chunk program for the local groups (see :meth:`_compiled`)."""
+        args = {g: (v, *chunks[0], k) for g, (v, chunks, k) in inputs.items()}
+        self.executables.update(self._compiled(self.chunk_fns, args, "sums"))
+
+    def _aux(self, outputs):
+        """The groups' per-example aux, as global arrays in global-batch order."""
+        plan = self.plan
+        size = plan.chunks * plan.chunk
+        sharding = NamedSharding(plan.compute, P(self.owner.layout.batch_entry))
+        per_group = [outputs[g] for g in self.local_groups]
+
+        def assemble(*leaves):
+            shards = [s.data for leaf in leaves for s in leaf.addressable_shards]
+            shards = [x for x in shards if x.devices() <= set(sharding.device_set)]
+            return jax.make_array_from_single_device_arrays(
+                (size, *leaves[0].shape[1:]), sharding, shards
+            )
+
+        return jax.tree.map(assemble, *per_group)

@@ -1,0 +1,80 @@
+"""Bitwise mode's schedule checks: whole chunks per group, and a warning for gathered params."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from unsplit._src import links, partition
+from unsplit._src.bitwise.plan import Plan
+
+# Bitwise mode warns once when params gathered over the batch axes exceed this, per device.
+GATHERED_WARN_BYTES = 2**30
+
+
+def check_schedule(size: int, chunk: int, shards: int, split: int, chunk_axes: tuple) -> None:
+    """Refuses a chunk size that does not cut each group's share into whole chunks, with
+    the chunk sizes that would (``shards``: the batch axes' devices; ``split``: a group's)."""
+    groups = shards // split
+    share = size // groups  # the step has checked that the batch axes divide the batch
+    # The chunk sizes that would work here: multiples of the group's devices that divide
+    # a group's share.
+    fits = [c for c in range(split, share + 1, split) if share % c == 0]
+    choices = choices_text(fits)
+    if chunk % split:
+        raise ValueError(
+            f"bitwise mode with chunk_axes={chunk_axes} splits each chunk's rows over "
+            f"the {split} devices of those axes: expected chunk_size a multiple of {split}, "
+            f"got chunk_size={chunk}. Fix: pass chunk_size={choices} here (a multiple of "
+            f"{split} that divides each group's {share} examples; the same one for every "
+            "schedule you compare)."
+        )
+    if share % chunk and split > 1:
+        raise ValueError(
+            f"bitwise mode needs each device group's share of the batch to be a whole "
+            f"number of chunks: batch {size} over {groups} group(s) of {split} device(s) "
+            f"(chunk_axes={chunk_axes}) is {share} examples each, not a multiple of "
+            f"chunk_size={chunk}. Fix: pass chunk_size={choices} (a multiple of {split} "
+            f"that divides {share}), or use a bigger batch."
+        )
+    if share % chunk:
+        fewer = " or use fewer devices for the batch" if groups > 1 else ""
+        raise ValueError(
+            f"bitwise mode needs each device's share of the batch to be a whole number of "
+            f"chunks: batch {size} over {groups} batch device(s) is {share} examples each, "
+            f"not a multiple of chunk_size={chunk}. Fix: pass chunk_size={choices} (it "
+            f"must divide {share}; the same one for every schedule you compare: it fixes "
+            f"the bits){fewer}."
+        )
+
+
+def warn_gathered(plan: Plan, batch_axes: tuple, chunk_axes: tuple, warned: set[str]) -> None:
+    """Once (``warned``): params sharded over batch axes gathered whole on each device, and large."""
+    if "gathered" in warned:
+        return
+    outer = [a for a in batch_axes if a not in chunk_axes]
+    if not any(partition.spec_axes(s) & set(outer) for s in plan.specs):
+        return
+    size = sum(
+        n * np.dtype(d).itemsize
+        for n, d in zip(plan.params_flat.lengths, plan.params_flat.vectors, strict=True)
+    )
+    if size <= GATHERED_WARN_BYTES:
+        return
+    warned.add("gathered")
+    warnings.warn(
+        f"bitwise mode gathers the params sharded over the batch axes {tuple(outer)} whole "
+        f"on every device: {size / 2**30:.1f} GiB per device (plus as much again for the "
+        "partial sums). Fix: chunk_axes= names batch axes whose devices compute each chunk "
+        "together with the params kept sharded over them (FSDP groups), e.g. "
+        f"value_and_grad(..., bitwise=True, batch_axes=('data', 'fsdp'), "
+        "chunk_axes='fsdp'); see " + links.doc_ref("bitwise", "fsdp-groups-chunk_axes") + ".",
+        stacklevel=5,
+    )
+
+
+def choices_text(sizes: list[int]) -> str:
+    """``[4, 8, 16]`` as ``"4, 8 or 16"`` (the largest few: larger chunks run faster)."""
+    shown = [str(c) for c in sizes[-4:]]
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
