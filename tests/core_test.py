@@ -107,14 +107,30 @@ def test_the_core_api_runs_without_any_extra():
     assert "core ok" in done.stdout
 
 
+def test_the_cli_help_audit_example_runs_on_the_core():
+    # `unsplit audit --help` shows this command: it runs without any extra.
+    code = f"EXTRAS = {EXTRAS!r}\n" + (BLOCKER if extras_installed() else "") + (
+        "import sys\nfrom unsplit import cli\n"
+        "sys.exit(cli.main(['audit', 'unsplit.audit_corpus.batched:same_key_microbatches']))\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "batch_draw" in done.stdout, done.stdout
+
+
 @pytest.mark.skipif(
     not os.environ.get("UNSPLIT_EXPECT_WHEEL"), reason="./dev test-core: the installed wheel"
 )
 def test_the_wheel_holds_the_library_alone_with_its_type_hints():
     files = [str(f) for f in importlib.metadata.files("unsplit") or ()]
     assert "unsplit/py.typed" in files
-    assert "unsplit/_src/value_and_grad.py" in files
-    assert not [f for f in files if f.endswith("_test.py")], "tests are not for the wheel"
+    assert "unsplit/_src/front/value_and_grad.py" in files
+    tests = [f for f in files if f.endswith(("_test.py", "test_util.py"))]
+    assert not tests, f"tests are not for the wheel: {tests}"
     assert importlib.metadata.version("unsplit") == __import__("unsplit").__version__
 
 

@@ -16,6 +16,7 @@ import unsplit
 from unsplit import cli
 from unsplit.audit_corpus import batched, per_example
 from unsplit.demo import config as demo_config
+from unsplit.demo import options as demo_options
 
 
 def _run(capsys, argv):
@@ -78,16 +79,16 @@ def test_plot_path_that_is_a_folder_is_refused(capsys, tmp_path):
 
 def test_quick_fills_only_what_is_not_given():
     args = cli.build_parser().parse_args(["demo", "--quick", "--steps", "5", "--seed", "3"])
-    config = cli.config_from_args(args)
+    config = demo_options.config_from_args(args)
     assert config.steps == 5 and config.seed == 3
     assert config.width == demo_config.QUICK["width"]
-    default = cli.config_from_args(cli.build_parser().parse_args(["demo"]))
+    default = demo_options.config_from_args(cli.build_parser().parse_args(["demo"]))
     assert default == demo_config.DemoConfig()
 
 
 def test_long_fills_what_is_not_given_and_excludes_quick(capsys):
     args = cli.build_parser().parse_args(["demo", "--long", "--width", "32"])
-    config = cli.config_from_args(args)
+    config = demo_options.config_from_args(args)
     assert config.steps == demo_config.LONG["steps"] and config.width == 32
     assert not config.fast_compile  # the long run compiles with XLA's optimizations
     code, _, err = _run(capsys, ["demo", "--long", "--quick"])

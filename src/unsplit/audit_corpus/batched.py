@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from flax.training import common_utils
 
 from unsplit.audit_corpus import _data
 
@@ -60,6 +59,7 @@ def same_key_microbatches():
 
 def shard_prng_key():
     """``pmap`` with ``flax.training.common_utils.shard_prng_key``: one key per device."""
+    from flax.training import common_utils  # this case alone needs Flax (unsplit[flax])
 
     def device_loss(w, x, key):
         noisy = w + 0.01 * jax.random.normal(key, w.shape)  # weight noise, drawn per device
