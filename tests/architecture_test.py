@@ -206,8 +206,12 @@ def test_long_classes_and_functions_say_why():
                 continue
             if node.end_lineno - node.lineno + 1 <= LONG:
                 continue
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            if not lines[first - 2].strip().startswith("# Long:"):
+            above = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 2
+            comment = []  # the comment block right above the definition
+            while above >= 0 and lines[above].strip().startswith("#"):
+                comment.insert(0, lines[above].strip())
+                above -= 1
+            if not (comment and comment[0].startswith("# Long:")):
                 unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert not unexplained, f"over {LONG} lines without a '# Long: why' comment: {unexplained}"
 

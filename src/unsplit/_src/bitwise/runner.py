@@ -22,6 +22,8 @@ from unsplit._src.bitwise import cache, placement, programs, reduce
 from unsplit._src.bitwise.plan import Plan
 
 
+# Long: one plan's programs and the per-call stages that share them (placement, dispatch,
+# the canonical sums, the aux); the compile cache and the placement helpers are apart.
 class Runner:
     """The programs of one plan, compiled on first use, and the per-call placement of inputs."""
 

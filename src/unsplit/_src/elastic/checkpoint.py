@@ -37,6 +37,8 @@ class SettingsMismatch(ValueError):
     """A resumed run's settings differ from the checkpoint's (the message names them)."""
 
 
+# Long: the checkpoint API of a run (save, restore, latest, metadata, close) over one
+# orbax manager, each method short; the settings check is the only logic of its own.
 class Checkpointer:
     """Saves and restores a training run in ``directory`` (an orbax ``CheckpointManager``).
 

@@ -27,7 +27,7 @@ import optax
 from unsplit._src.bitwise.step import BitwiseStep
 from unsplit._src.bitwise.update import CanonicalUpdate, GroupedUpdate
 from unsplit._src.front.array_jit import ArrayJit, with_static, without_static
-from unsplit._src.front.value_and_grad import Step, memory_hint
+from unsplit._src.front.value_and_grad import Step
 from unsplit._src.step import memory
 from unsplit._src.step.sums import is_inexact_array
 
@@ -212,7 +212,7 @@ class _Train:
         self.with_state = with_state
 
     def __call__(self, *args, **kwargs):
-        with memory_hint(self.step):  # the first call's compiles and transfers too
+        with memory.hint(self.step):  # the first call's compiles and transfers too
             return self._call(*args, **kwargs)
 
     def _call(self, *args, **kwargs):

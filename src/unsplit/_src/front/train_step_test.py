@@ -262,7 +262,7 @@ def test_out_of_memory_on_the_first_call_gets_the_modes_hint(monkeypatch, bitwis
     def exhausted(*args, **kwargs):  # as a compile or a transfer of the first call reports it
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
 
-    monkeypatch.setattr(step, "_agree_on_inputs", exhausted)
+    monkeypatch.setattr(step._inputs, "check", exhausted)
     optimizer = optax.sgd(0.1)
     train = unsplit.train_step(step, optimizer)
     # Default mode: more microbatches (same result); bitwise: a smaller chunk (other bits).

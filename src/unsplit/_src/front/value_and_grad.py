@@ -10,22 +10,17 @@ the same function of ``(params, global batch, ids, key)``.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import jax
 
 from unsplit._src import frozen as frozen_lib
-from unsplit._src import keys as keys_lib
-from unsplit._src.audit import finding as audit_finding
-from unsplit._src.audit import loss as audit_loss
+from unsplit._src.front.inputs import Inputs
 from unsplit._src.front.options import Bitwise, Options
-from unsplit._src.processes import agreement
 from unsplit._src.step import groups, memory, sums, validate
 from unsplit._src.step.default import DefaultStep
 from unsplit._src.step.layout import Layout
 from unsplit._src.step.sums import Result
-from unsplit._src.trees import canonical_dtype
 
 LossFn = sums.LossFn
 BatchLossFn = Any  # batch_loss(params, features) -> scalar loss (or (loss, aux))
@@ -156,6 +151,8 @@ def value_and_grad(
     return Step(loss_fn, Options.make(**options))
 
 
+# Long: the public step -- its documented attributes (the options read back), the one run
+# path and lower(); the input checks are front/inputs.py, the engines step/ and bitwise/.
 class Step:
     """A compiled-once ``(loss, grads)`` step; made by :func:`value_and_grad`.
 
@@ -195,9 +192,7 @@ class Step:
             batch_loss=options.batch_loss,
         )
         self._layout = Layout.make(options.mesh, options.batch_axes)
-        self._agreed = False  # several processes: agreed on the first call
-        self._audited = False
-        self._frozen_checked: set[bool] = set()
+        self._inputs = Inputs(self)  # a call's checks; the first call's agreement and audit
         if options.bitwise is not None:
             from unsplit._src.bitwise import step as bitwise_lib
 
@@ -255,7 +250,7 @@ class Step:
     def __call__(
         self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, frozen: Any = None
     ) -> tuple[Any, Any]:
-        with memory_hint(self):  # also the first call's transfers and compiles
+        with memory.hint(self):  # also the first call's transfers and compiles
             result = self._run(params, batch, key, ids, frozen=frozen)
         if self.has_aux:
             return (result.loss, result.aux), result.grads
@@ -279,11 +274,7 @@ class Step:
         returned and the same frozen, so the engine need not look at their layout again.
         """
         batch, ids = self._group(batch, ids)
-        self._check_frozen(frozen)
-        if self.bitwise:
-            validate.refuse_bitwise_in_jit(params, batch, key, ids, frozen)
-        ids = self._agree_on_inputs(params, batch, key, ids, frozen)
-        self._audit_once(params, batch, key, frozen)
+        ids = self._inputs.check(params, batch, key, ids, frozen)
         placed = memo.get("frozen") if memo else None
         both = frozen_lib.combine(params, frozen if placed is None else placed)
         result = self._engine(both, batch, key, ids, memo=memo)
@@ -294,67 +285,6 @@ class Step:
         return result._replace(
             grads=frozen_lib.params_of(result.grads), params=frozen_lib.params_of(result.params)
         )
-
-    def _check_frozen(self, frozen: Any) -> None:
-        """The user's functions take ``frozen`` last exactly when it is given (checked once)."""
-        given = frozen is not None
-        if given in self._frozen_checked:
-            return
-        if self._spec.coupled:
-            frozen_lib.check_arity(self.loss_fn, "features_fn", "params, example, key", 3, given)
-            frozen_lib.check_arity(self.batch_loss, "batch_loss", "params, features", 2, given)
-        else:
-            frozen_lib.check_arity(self.loss_fn, "loss_fn", "params, example, key", 3, given)
-        self._frozen_checked.add(given)
-
-    def _agree_on_inputs(
-        self, params: Any, batch: Any, key: jax.Array, ids: Any, frozen: Any = None
-    ) -> Any:
-        """Validates the inputs; on a multi-process first call, also agrees on them.
-
-        Shapes, dtypes and the schedule are checked on the host (no device
-        work). On a multi-process first call the processes also agree on the
-        settings, params, key and batch (one small collective), so a mistake on
-        one process raises on all of them before any work; inside the caller's
-        jit that comparison happens on device instead (see
-        :mod:`unsplit._src.step.default`). Returns the ids as the engine takes them.
-        """
-        if self._agreed or not agreement.needed() or validate.is_traced(params, batch, key, ids):
-            return self._validated(batch, key, ids)
-        what = f"the first call of {self!r}"
-        with agreement.agreeing(what, fixes=agreement.STEP_FIXES) as items:
-            ids = self._validated(batch, key, ids)
-            items.update(
-                agreement.step_items(self.settings(), params, batch, key, ids, frozen=frozen)
-            )
-        self._agreed = True
-        return ids
-
-    def _validated(self, batch: Any, key: jax.Array, ids: Any) -> Any:
-        batch_size = validate.batch_size(batch)
-        # Bitwise mode computes one chunk at a time whatever the microbatches: they never
-        # make it refuse (its own check is that each device's share is whole chunks).
-        microbatches = 1 if self.bitwise else self.microbatches
-        validate.check_schedule(batch_size, self.num_devices, microbatches, self.batch_axes)
-        if self.mesh is None:
-            validate.check_single_device_batch(batch)
-        keys_lib.check_key(key)
-        return validate.ids_words(ids, batch_size)
-
-    def _audit_once(self, params: Any, batch: Any, key: jax.Array, frozen: Any = None) -> None:
-        """First call: trace the loss on one example and refuse schedule-dependent noise."""
-        if self._audited:
-            return
-        example = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape[1:], canonical_dtype(x.dtype)), batch
-        )
-        kinds = None if self.audit else ("foreign_key",)
-        findings = audit_loss.audit_loss(
-            self.loss_fn, params, example, key, weighted=self.weighted, kinds=kinds, frozen=frozen
-        )
-        errors = {f.kind for f in findings} - {"audit_error"} if self.audit else {"foreign_key"}
-        audit_finding.raise_for(findings, kinds=errors)
-        self._audited = True
 
     def _group(self, batch: Any, ids: Any = None) -> tuple[Any, Any]:
         """With ``group_size``: the row batch and row ids as the group batch and group ids
@@ -381,25 +311,5 @@ class Step:
                 "lower() on a bitwise=False step to inspect its program."
             )
         batch, ids = self._group(batch, ids)
-        self._check_frozen(frozen)
-        ids = self._agree_on_inputs(params, batch, key, ids, frozen)
+        ids = self._inputs.check(params, batch, key, ids, frozen, audit=False)
         return self._engine.lower(frozen_lib.combine(params, frozen), batch, key, ids)
-
-
-@contextlib.contextmanager
-def memory_hint(step: Step):
-    """Out-of-memory errors raised inside get the mode's fix; others pass unchanged."""
-    try:
-        yield
-    except memory.OutOfMemoryError:  # refused before running: it names the fix already
-        raise
-    except Exception as error:
-        text = str(error)
-        if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
-            raise
-        fix = (
-            memory.bitwise_fix(step.chunk_size)
-            if step.bitwise
-            else memory.default_fix(step.microbatches)
-        )
-        raise type(error)(f"{text}\n\nunsplit: the step ran out of device memory. {fix}") from error

@@ -32,6 +32,9 @@ from unsplit._src.step import constraints, coupled, memory, sums, validate
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
 
+# Long: one compiled SPMD program per params layout -- placing its inputs, building the
+# program (vmap, microbatch scan, sums over the batch axes) and its on-device agreement
+# guard -- each method a stage of that one program, sharing its cache.
 class DefaultStep:
     """Runs a step in default mode; one compiled program per params layout and input shapes."""
 

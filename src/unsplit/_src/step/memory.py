@@ -19,6 +19,7 @@ CPU devices. A backend that reports neither is not checked.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -163,3 +164,18 @@ def _size(n: int) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit} ({n} bytes)"
     return f"{n} bytes"
+
+
+@contextlib.contextmanager
+def hint(step: Any):
+    """Out-of-memory errors raised inside get the mode's fix; others pass unchanged."""
+    try:
+        yield
+    except OutOfMemoryError:  # refused before running: it names the fix already
+        raise
+    except Exception as error:
+        text = str(error)
+        if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
+            raise
+        fix = bitwise_fix(step.chunk_size) if step.bitwise else default_fix(step.microbatches)
+        raise type(error)(f"{text}\n\nunsplit: the step ran out of device memory. {fix}") from error
