@@ -43,6 +43,7 @@ from jax.extend import core
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import frozen as frozen_lib
 from unsplit._src import partition
 
 _CONSTRAINTS = ("sharding_constraint", "reshard", "mesh_cast")
@@ -76,15 +77,14 @@ def retargeted(loss_fn, user_mesh, keep: tuple[str, ...], target=None):
     if user_mesh is None:
         return loss_fn
 
-    def loss(params, example, key):
-        args = (params, example, key)
+    def loss(*args):  # (params, example, key), and frozen last when the step has one
         leaves, treedef = jax.tree.flatten(args)
         mask = [_is_array(x) for x in leaves]
         arrays = [x for x, m in zip(leaves, mask, strict=True) if m]
         closed, out_tree = _user_trace(loss_fn, treedef, leaves, mask, user_mesh)
         explicit = AxisType.Explicit in tuple(user_mesh.axis_types)
         if closed is None or not _has_sharding(closed.jaxpr, explicit):
-            return loss_fn(params, example, key)
+            return loss_fn(*args)
         rewrite = _Rewrite(user_mesh, tuple(keep), target)
         out = rewrite.eval(closed.jaxpr, closed.consts, *arrays)
         return jax.tree.unflatten(out_tree, out)
@@ -101,7 +101,7 @@ def activation_axes(loss_fn, user_mesh, params, example, key) -> set[str]:
     """
     leaves, treedef = jax.tree.flatten((params, example, key))
     mask = [_is_array(x) for x in leaves]
-    closed, _ = _user_trace(loss_fn, treedef, leaves, mask, user_mesh)
+    closed, _ = _user_trace(frozen_lib.bound(loss_fn), treedef, leaves, mask, user_mesh)
     if closed is None:
         return set()
     found: set[str] = set()
