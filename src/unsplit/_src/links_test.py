@@ -16,7 +16,6 @@ DOCS = ROOT / "docs"
 
 # Files that other work is rewriting now; each names pages by the site's address once done.
 LEAD = {
-    "_src/bitwise/step.py",
     "_src/bitwise/update.py",
     "_src/dropout/attention.py",
 }

@@ -85,7 +85,7 @@ def default_step(params: float, layout: Layout) -> dict[str, float]:
     }
 
 
-# The table of docs/bitwise.md ("At model scale"): a host has 8 devices, the model axis
+# The table of the Bitwise mode guide ("At model scale"): a host has 8 devices, the model axis
 # is a host's, the sequence degree 2; the fsdp degree grows with the model (the group of
 # fsdp x seq x model devices spans hosts), and each group runs 4 chunks per step.
 MODELS = (("7B", 7e9, 4), ("70B", 70e9, 16))
@@ -108,7 +108,7 @@ def rows() -> list[tuple[str, int, Layout, dict, dict]]:
 
 
 def table() -> str:
-    """The markdown table docs/bitwise.md quotes (``python -m unsplit._src.bitwise.scale``)."""
+    """The markdown table the Bitwise mode guide quotes (``python -m unsplit._src.bitwise.scale``)."""
     head = (
         "| model | devices | (data, fsdp, seq, model); group | params held | bitwise step "
         "(params + flat + partial sums + combine) / default (params + grads) | Adam update "
