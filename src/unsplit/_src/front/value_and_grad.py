@@ -133,7 +133,7 @@ def value_and_grad(
         is then ``loss_fn(params, example, key, frozen)`` (``features_fn`` and
         ``batch_loss`` take it last too); ``frozen`` is never differentiated,
         keeps its shardings and is an argument of the compiled programs, never
-        a constant (``docs/models.md``, Frozen inputs).
+        a constant (https://unsplit.readthedocs.io/en/latest/models/#frozen-inputs).
 
     Example:
         >>> import jax, jax.numpy as jnp, unsplit
