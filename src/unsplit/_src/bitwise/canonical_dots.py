@@ -41,7 +41,7 @@ from jax.extend.core import primitives
 
 # YNNPACK fusions for dots and elementwise ops; not REDUCE (its reductions are not
 # needed for the guarantee, and were not measured).
-CPU_OPTIONS = {
+CPU_OPTIONS: dict[str, str | bool] = {  # the type jax's compile() takes
     "xla_cpu_experimental_ynn_fusion_type": (
         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
     )

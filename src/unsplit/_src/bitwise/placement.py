@@ -13,7 +13,8 @@ another order would run a program (and across processes may not run at all).
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -43,7 +44,8 @@ def rename(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     if x.sharding == sharding:
         return x
     shape = np.shape(x)
-    want = sharding.addressable_devices_indices_map(shape)
+    # A NamedSharding gives every device an index (the stubs allow None).
+    want = cast(Mapping[Any, tuple], sharding.addressable_devices_indices_map(shape))
     have = {s.device: s for s in x.addressable_shards}
     if set(want) <= set(have) and all(_same(have[d].index, want[d], shape) for d in want):
         return jax.make_array_from_single_device_arrays(
@@ -149,7 +151,7 @@ class Placer:
         if self.size == 1:
             return self.one_device(shards[0])
         axes = tuple(self.gmesh.axis_names)
-        sharding = NamedSharding(self.gmesh, P(axes if len(axes) > 1 else axes[0]))
+        sharding = NamedSharding(self.gmesh, P(partition.entry(axes)))
         length = shards[0].shape[0] * self.size
         return jax.make_array_from_single_device_arrays((length,), sharding, shards)
 

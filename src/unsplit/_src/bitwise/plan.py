@@ -76,7 +76,7 @@ def check_chunk_axes(
     if absent:
         raise ValueError(
             f"chunk_axes names axes the step's mesh does not have: {absent} (its axes: "
-            f"{tuple(mesh_axes)}). Fix: name the mesh axis whose devices compute each chunk "
+            f"{tuple(mesh_axes or ())}). Fix: name the mesh axis whose devices compute each chunk "
             "together (one of batch_axes), e.g. chunk_axes='fsdp' on a ('data', 'fsdp') mesh."
         )
     unknown = [n for n in names if n not in batch_axes]
@@ -163,7 +163,7 @@ def make_plan(
 ) -> tuple[Plan, list[Any]]:
     """The plan for these inputs, and the params' array leaves (on the layout's mesh)."""
     structure, arrays = sums.Params.split(params)
-    mesh = layout.mesh
+    mesh = layout.required_mesh()
     specs = tuple(_spec_on(a, mesh) for a in arrays)
     given = tuple(
         a.sharding.spec if isinstance(getattr(a, "sharding", None), NamedSharding) else P()
@@ -234,7 +234,7 @@ def _activation_axes(spec, structure, arrays, batch, key, layout: Layout) -> set
         lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], canonical_dtype(x.dtype)), batch
     )
     shapes = [jax.ShapeDtypeStruct(np.shape(a), canonical_dtype(a.dtype)) for a in arrays]
-    mesh = layout.mesh
+    mesh = layout.required_mesh()
     # Traced once per loss, inputs' types and mesh (like the loss dtype): not per batch size.
     signature = (
         "axes",

@@ -45,7 +45,7 @@ from unsplit._src.step import sums
 
 def pack_program(plan: Plan):
     """Params (any sharding on the user's mesh) -> each device's flat local blocks."""
-    mesh = plan.layout.mesh
+    mesh = plan.layout.required_mesh()
     # Gathered over the outer batch axes; kept sharded over the chunk axes (FSDP groups).
     batch_axes = tuple(a for a in plan.layout.batch_axes if a not in plan.chunk_axes)
 
@@ -144,6 +144,7 @@ class GroupIO:
         """FSDP groups: each device computes its piece of the chunk's rows."""
         if not self.plan.chunk_axes:
             return tree
+        assert self.gmesh is not None  # the chunk axes are group axes
         split = NamedSharding(self.gmesh, P(self.centry))
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, split), tree)
 

@@ -68,14 +68,15 @@ class BitwiseStep:
         else:
             self.single = False
         self.layout = layout
-        accelerators.warn_once_without_gpu_flags(layout.mesh.devices.flat)
+        accelerators.warn_once_without_gpu_flags(layout.required_mesh().devices.flat)
         self._plans: dict[Any, Any] = {}
         self._warned: set[str] = set()
 
     @property
     def chunk_split(self) -> int:
         """How many devices compute each chunk together (the chunk axes'; 1 without)."""
-        return math.prod(self.layout.mesh.shape[a] for a in self.chunk_axes)
+        mesh = self.layout.required_mesh()
+        return math.prod(mesh.shape[a] for a in self.chunk_axes)
 
     def chunk(self, batch: int) -> int:
         """The chunk size: given, else the default for ``batch`` made a multiple of the
@@ -117,9 +118,8 @@ class BitwiseStep:
         when it gets back the params it returned.
         """
         layout = self.layout
-        params = move_onto(
-            params, layout, lambda x: named_spec(x, layout.mesh), "params", self._warned
-        )
+        mesh = layout.required_mesh()
+        params = move_onto(params, layout, lambda x: named_spec(x, mesh), "params", self._warned)
         size = np.shape(jax.tree.leaves(batch)[0])[0]  # checked by the step
         chunk = self.chunk(size)
         return self._state(params, batch, key, size, chunk), params

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
@@ -258,8 +258,7 @@ class GroupedUpdate:
 
     def _has(self, x: Any, spec: P) -> bool:
         """Whether ``x`` is already on the mesh with sharding ``spec``."""
-        sharding = getattr(x, "sharding", None)
-        return isinstance(x, jax.Array) and sharding.is_equivalent_to(
+        return isinstance(x, jax.Array) and x.sharding.is_equivalent_to(
             NamedSharding(self.mesh, spec), np.ndim(x)
         )
 
@@ -327,7 +326,8 @@ def canonical_sum(tree: Any, axis: int = 0) -> Any:
         28.0
     """
     leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    meshes = {x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)}
+    # A concrete array's NamedSharding has a concrete Mesh (the stubs allow an AbstractMesh).
+    meshes = {cast(Mesh, x.sharding.mesh) for x in leaves if isinstance(x.sharding, NamedSharding)}
     if len(meshes) > 1:
         raise ValueError(
             f"canonical_sum got arrays on {len(meshes)} different meshes; expected one. Fix: "

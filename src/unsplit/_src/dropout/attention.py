@@ -201,6 +201,8 @@ def linen_dot_product_attention(
             jnp.einsum, precision=precision, _dot_general=einsum_dot_general or lax.dot_general
         )
     compute_dtype = linen_dtypes.canonicalize_dtype(query, key, value, dtype=dtype)
+    value_einsum = av
+    assert value_einsum is not None  # both einsums given, or both built just above
 
     def dropped_weights_times_value(subscripts: str, weights: Array, values: Array) -> Array:
         weights = attention_dropout(
@@ -208,8 +210,8 @@ def linen_dot_product_attention(
             dtype=compute_dtype,
         )  # fmt: skip
         if head_major and subscripts == VALUE_SUBSCRIPTS:
-            return weights_times_value(av, weights, values)
-        return av(subscripts, weights, values)
+            return weights_times_value(value_einsum, weights, values)
+        return value_einsum(subscripts, weights, values)
 
     # Flax computes the weights (deterministic: no mask of its own); we drop them just
     # before Flax's weights x value contraction.
@@ -254,7 +256,7 @@ def nnx_dot_product_attention(
         >>> layer(jnp.ones((3, 8, 4)), deterministic=False).shape
         (3, 8, 4)
     """
-    options = dict(
+    options: dict[str, Any] = dict(
         bias=bias,
         mask=mask,
         broadcast_dropout=broadcast_dropout,

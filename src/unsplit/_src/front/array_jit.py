@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core  # jax.core.Tracer: imported, so type checkers see the module
 import numpy as np
 
 _TRACEABLE = (jax.Array, np.ndarray, np.generic, int, float, complex)

@@ -320,7 +320,9 @@ def collectives(platform: str) -> str:
     if platform == "cpu":
         if not jax.distributed.is_initialized():
             return "in-process"
-        return f"cpu {jax.config.jax_cpu_collectives_implementation}"
+        # Config's options are dynamic attributes, which the checker cannot see.
+        impl = jax.config.jax_cpu_collectives_implementation  # pyright: ignore[reportAttributeAccessIssue]
+        return f"cpu {impl}"
     if platform in ("gpu", "cuda", "rocm"):
         set_ = [f"{k}={os.environ[k]}" for k in _NCCL_ORDER if k in os.environ]
         return " ".join(["nccl", *set_])

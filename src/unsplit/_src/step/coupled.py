@@ -122,8 +122,10 @@ def batch_loss_of(
     spec: sums.LossSpec, structure: sums.Params, arrays: list[Any], diff_arrays, features
 ):
     """``(loss, aux)`` of the global batch's features."""
+    batch_loss = spec.batch_loss
+    assert batch_loss is not None, "a coupled loss has a batch_loss"
     params = structure.merge(structure.with_diff(arrays, diff_arrays))
-    return check_batch_loss(frozen_lib.call(spec.batch_loss, params, features), spec.has_aux)
+    return check_batch_loss(frozen_lib.call(batch_loss, params, features), spec.has_aux)
 
 
 def loss_and_feature_grads(spec, structure, arrays, diff_arrays, features):

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import jax
+import jax.core  # jax.core.Tracer: imported, so type checkers see the module
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -62,9 +64,10 @@ class DefaultStep:
 
     def _prepare(self, params, batch, key, ids):
         layout = self.layout
-        if layout.mesh is not None:
+        mesh = layout.mesh
+        if mesh is not None:
             params = move_onto(
-                params, layout, lambda x: named_spec(x, layout.mesh), "params", self._warned
+                params, layout, lambda x: named_spec(x, mesh), "params", self._warned
             )
             batch = move_onto(batch, layout, lambda x: P(layout.batch_entry), "batch", self._warned)
             key = move_onto(key, layout, lambda x: P(), "key", self._warned)
@@ -121,7 +124,7 @@ class DefaultStep:
         settings; one small all_gather compares them. On a mismatch the outputs
         are nan and the step raises when its results are read, on every process.
         """
-        mesh = self.layout.mesh
+        mesh = self.layout.required_mesh()  # a check runs only on a mesh
         sig = agreement.signature({**self.settings, "params": str(structure.treedef)})
 
         def guarded(arrays, batch, key, ids):
@@ -164,8 +167,10 @@ class DefaultStep:
                 # sees them, and XLA partitions the batch (and FSDP params) itself.
                 # Explicit model axes stay Explicit, as in the user's own code.
                 out_sharding = (P(), [s or P() for s in grad_specs], self._aux_spec(), P())
-                program = jax.sharding.auto_axes(
-                    core, axes=layout.batch_axes, out_sharding=out_sharding
+                # cast: auto_axes' inferred type keeps only part of the partial's signature.
+                program = cast(
+                    Callable[..., Any],
+                    jax.sharding.auto_axes(core, axes=layout.batch_axes, out_sharding=out_sharding),
                 )
                 return program(arrays, batch, key, ids)
 
@@ -240,7 +245,7 @@ class DefaultStep:
 
 def _place(x: jax.Array, layout: Layout) -> jax.Array:
     # device_put (not reshard) inside jit carries the concrete devices into the program.
-    return jax.device_put(x, NamedSharding(layout.mesh, P(layout.batch_entry)))
+    return jax.device_put(x, NamedSharding(layout.required_mesh(), P(layout.batch_entry)))
 
 
 def _type_spec(x: Any) -> P | None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import jax
+import jax.core  # jax.core.Tracer: imported, so type checkers see the module
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -29,6 +30,11 @@ class Layout:
 
     mesh: jax.sharding.Mesh | None
     batch_axes: tuple[str, ...]
+
+    def required_mesh(self) -> jax.sharding.Mesh:
+        """The mesh, where the caller has one (a bitwise step, a branch past ``mesh is None``)."""
+        assert self.mesh is not None, "this code path needs a mesh"
+        return self.mesh
 
     @staticmethod
     def make(mesh: jax.sharding.Mesh | None, batch_axes: Any) -> Layout:
@@ -149,10 +155,12 @@ def on_mesh(x: Any, mesh: jax.sharding.Mesh) -> bool:
     if mesh.devices.size == 1 and sharding.device_set == set(mesh.devices.flat):
         return True
     if isinstance(sharding, NamedSharding):
-        return sharding.mesh == mesh or (
-            sharding.mesh.devices.shape == mesh.devices.shape
-            and sharding.mesh.axis_names == mesh.axis_names
-            and (sharding.mesh.devices == mesh.devices).all()
+        # A committed array's NamedSharding has a concrete Mesh (the stubs allow an AbstractMesh).
+        other = cast(jax.sharding.Mesh, sharding.mesh)
+        return other == mesh or (
+            other.devices.shape == mesh.devices.shape
+            and other.axis_names == mesh.axis_names
+            and (other.devices == mesh.devices).all()
         )
     return False
 
@@ -170,7 +178,7 @@ def move_onto(tree: Any, layout: Layout, spec_of, what: str, warned: set) -> Any
 
     ``spec_of(leaf)`` gives the PartitionSpec to use on the step's mesh.
     """
-    mesh = layout.mesh
+    mesh = layout.required_mesh()
 
     def move(path, x):
         if on_mesh(x, mesh):

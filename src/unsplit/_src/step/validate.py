@@ -12,6 +12,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.core  # jax.core.Tracer: imported, so type checkers see the module
 import jax.numpy as jnp
 import numpy as np
 
