@@ -21,12 +21,6 @@ KNOWN = [
     # Flax annotates Module.apply as `Any | tuple[Any, FrozenVariableDict | dict]` (the pair is
     # what mutable=... returns); every user's `model.apply(...)` without it reads the same.
     ("", "FrozenVariableDict", "flax.linen.Module.apply's return annotation"),
-    # TODO(lead): Step.__call__ (value_and_grad.py) has no return annotation; pyright infers
-    # `tuple[loss | (loss, aux), grads]` as a union, so `loss, grads = step(...)` and
-    # `(loss, aux), grads = step(...)` give values of that union. `-> tuple[Any, Any]` fixes it.
-    ("", "tuple[Unknown | Any, Any | Unknown | None]", "Step.__call__ has no return annotation"),
-    ("", 'No overloads for "assert_allclose"', "Step.__call__ has no return annotation"),
-    ("models.md", 'Object of type "None" is not subscriptable', "Step.__call__, with has_aux"),
 ]
 
 

@@ -4,7 +4,7 @@
 sharding: XLA compiles the elementwise math for other shard shapes (other
 vector tails, other fusions) and reduces norms (``clip_by_global_norm``,
 Adafactor's factored statistics, LAMB's trust ratios) in an order that depends
-on the layout (docs/bitwise.md has the measurement). :class:`CanonicalUpdate`
+on the layout (the Bitwise mode guide has the measurement: https://unsplit.readthedocs.io/en/latest/bitwise/). :class:`CanonicalUpdate`
 runs the update as one program whose inputs do not depend on the schedule: the
 whole params, grads
 and optimizer state (gathered: exact data movement), on one device per
@@ -16,7 +16,7 @@ process count.
 It costs, per step, a copy of params, grads and optimizer state onto one device
 per process (one process: only that device holds them whole; several: an
 all-gather) and the whole update there (O(params) memory on that device); the
-results go back shard by shard. docs/bitwise.md has the numbers and what keeps
+results go back shard by shard. The Bitwise mode guide has the numbers and what keeps
 the bits in an update you write yourself.
 """
 

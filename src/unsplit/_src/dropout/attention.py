@@ -108,8 +108,8 @@ def weights_times_value(einsum: Callable[..., Array], weights: Array, value: Arr
     back from ``[..., heads, q, d]``: the same contraction (each output element
     is the same sum over ``k``), whose batch axes ``(..., heads)`` now lead in
     every operand. XLA's CPU matmuls then need no transposes of the large
-    weights in the forward or backward pass (``benchmarks/attention_bench.py``
-    times both layouts; the figures are in ``docs/benchmarks.md``).
+    weights in the forward or backward pass (the attention benchmark times both layouts; the figures are in the
+    Benchmarks guide, https://unsplit.readthedocs.io/en/latest/benchmarks/).
 
     Example:
         >>> import jax.numpy as jnp

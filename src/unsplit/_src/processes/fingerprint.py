@@ -310,7 +310,7 @@ def collectives(platform: str) -> str:
     plain process, ``jax_cpu_collectives_implementation`` (gloo) under
     ``jax.distributed`` (measured: other bits for FSDP groups, relative 1.6e-8);
     on GPU NCCL, whose algorithm ``NCCL_ALGO``/``NCCL_PROTO`` and channels choose
-    it (and its topology: see docs/bitwise.md).
+    it (and its topology: see https://unsplit.readthedocs.io/en/latest/bitwise/).
 
     Example:
         >>> from unsplit._src.processes.fingerprint import collectives

@@ -28,7 +28,8 @@ from unsplit._src import frozen as frozen_lib
 from unsplit._src import keys as keys_lib
 from unsplit._src.step import state_guard, validate
 
-LossFn = Callable[[Any, Any, jax.Array], Any]
+# loss_fn(params, example, key) or, with frozen inputs, loss_fn(params, example, key, frozen)
+LossFn = Callable[..., Any]
 
 
 class Result(NamedTuple):
