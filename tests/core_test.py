@@ -109,9 +109,13 @@ def test_the_core_api_runs_without_any_extra():
 
 def test_the_cli_help_audit_example_runs_on_the_core():
     # `unsplit audit --help` shows this command: it runs without any extra.
-    code = f"EXTRAS = {EXTRAS!r}\n" + (BLOCKER if extras_installed() else "") + (
-        "import sys\nfrom unsplit import cli\n"
-        "sys.exit(cli.main(['audit', 'unsplit.audit_corpus.batched:same_key_microbatches']))\n"
+    code = (
+        f"EXTRAS = {EXTRAS!r}\n"
+        + (BLOCKER if extras_installed() else "")
+        + (
+            "import sys\nfrom unsplit import cli\n"
+            "sys.exit(cli.main(['audit', 'unsplit.audit_corpus.batched:same_key_microbatches']))\n"
+        )
     )
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     env.setdefault("JAX_PLATFORMS", "cpu")
