@@ -22,6 +22,7 @@ inside a trace at all: Flax raises ``TraceContextError``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 import traceback
 from collections.abc import Iterator
@@ -42,6 +43,23 @@ class Update(NamedTuple):
     value: Any
 
 
+# Set while unsplit itself traces the loss a second time for its own reasons (the shardings'
+# retargeting): updates seen then belong to that trace, not to the call being watched.
+_PAUSED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "unsplit_state_paused", default=False
+)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No :class:`Recorder` records inside this context."""
+    token = _PAUSED.set(True)
+    try:
+        yield
+    finally:
+        _PAUSED.reset(token)
+
+
 class Recorder:
     """Records state updates while a loss is traced."""
 
@@ -60,6 +78,8 @@ class Recorder:
             yield
 
     def _intercept(self, next_fun, args, kwargs, context):
+        if _PAUSED.get():
+            return next_fun(*args, **kwargs)
         module = context.module
         before = _linen_state(module)
         out = next_fun(*args, **kwargs)

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import frozen as frozen_lib
 from unsplit._src import partition
+from unsplit._src.audit import state as audit_state
 
 _CONSTRAINTS = ("sharding_constraint", "reshard", "mesh_cast")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -127,8 +128,8 @@ def _user_trace(loss_fn, treedef, leaves, mask, user_mesh):
         args = jax.tree.unflatten(treedef, [next(it_a) if m else next(it_s) for m in mask])
         return loss_fn(*args)
 
-    try:
-        with jax.sharding.use_abstract_mesh(user_mesh.abstract_mesh):
+    try:  # a trace of unsplit's own: the state guard watches the call, not this trace
+        with audit_state.paused(), jax.sharding.use_abstract_mesh(user_mesh.abstract_mesh):
             closed, shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
     except Exception:  # the loss runs as it is: its own error (if any) comes from there
         return None, None
