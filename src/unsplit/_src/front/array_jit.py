@@ -61,12 +61,24 @@ class ArrayJit:
         self._checked: set = set()  # the signatures whose programs were checked
         self.plain = jax.jit(fn, donate_argnums=self.donate_argnums)
         self._filtered: dict[Any, tuple[Callable, dict]] = {}
+        self._seen_static = False  # whether a call had a non-array leaf
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._seen_static:
+            # Arrays only (Flax, optax: every call of most train steps): straight to
+            # ``jax.jit``, which flattens the arguments itself, so the host does no more
+            # per call than the user's own jitted step. A non-array leaf makes ``jax.jit``
+            # raise before anything runs or is donated; from then on, the filtered path.
+            try:
+                return self._run(self.plain, args, kwargs)
+            except TypeError:
+                if not any(is_static(x) for x in jax.tree.leaves((args, kwargs))):
+                    raise
+                self._seen_static = True
         leaves, treedef = jax.tree.flatten((args, kwargs))
         static = tuple((i, x) for i, x in enumerate(leaves) if is_static(x))
         if not static:
-            return self._run(self.plain, args, kwargs, leaves)
+            return self._run(self.plain, args, kwargs)
         donated = self._donated(args, kwargs, len(leaves))
         try:
             entry = self._filtered.get((treedef, static, donated))
@@ -85,7 +97,7 @@ class ArrayJit:
         mask = self._mask(leaves, donated)
         gift = [x for x, d in zip(arrays, mask, strict=True) if d]
         kept = [x for x, d in zip(arrays, mask, strict=True) if not d]
-        out_arrays = iter(self._run(jitted, (gift, kept), {}, leaves, kept))
+        out_arrays = iter(self._run(jitted, (gift, kept), {}, kept))
         out_def, out_static = out["def"], dict(out["static"])
         return jax.tree.unflatten(
             out_def,
@@ -95,7 +107,7 @@ class ArrayJit:
             ],
         )
 
-    def _run(self, jitted, args: tuple, kwargs: dict, leaves: list, kept=None) -> Any:
+    def _run(self, jitted, args: tuple, kwargs: dict, kept=None) -> Any:
         """``jitted(*args, **kwargs)``; with ``check``, each new signature's program is
         compiled (``lower().compile()``, which the call then reuses) and checked first.
 
@@ -109,10 +121,10 @@ class ArrayJit:
         if kept is None:
             kept = ([a for i, a in enumerate(args) if i not in self.donate_argnums], kwargs)
         kept_leaves, kept_def = jax.tree.flatten(kept)
-        signature = (len(leaves), kept_def, tuple((np.shape(x), _dtype(x)) for x in kept_leaves))
+        signature = (kept_def, tuple((np.shape(x), _dtype(x)) for x in kept_leaves))
         # Inside another jit nothing is compiled here: the caller's program is.
         if signature not in self._checked and not any(
-            isinstance(x, jax.core.Tracer) for x in leaves
+            isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))
         ):
             self.check(jitted.lower(*args, **kwargs).compile())
             self._checked.add(signature)

@@ -94,3 +94,31 @@ def test_is_static_remembers_array_types_but_not_objects():
     assert not is_static(jnp.ones(2)) and not is_static(jnp.ones(2))  # the cached path
     assert not is_static(np.float32(1)) and not is_static(3)
     assert is_static(jnp.tanh) and is_static("relu") and is_static(None)
+
+
+def test_arrays_only_calls_do_not_flatten_the_arguments_in_python(monkeypatch):
+    # The host work per call of a Flax/optax train step is jax.jit's own: no Python pass over
+    # the params and optimizer state (they are hundreds of leaves).
+    f = ArrayJit(lambda p, x: ({"w": p["w"] + x}, x), donate_argnums=(0,))
+    params, _ = f({"w": jnp.ones(2)}, jnp.float32(1))
+    flattened = []
+    real = jax.tree.flatten
+    monkeypatch.setattr(jax.tree, "flatten", lambda *a, **k: flattened.append(1) or real(*a, **k))
+    params, _ = f(params, jnp.float32(1))
+    assert flattened == [] and params["w"].tolist() == [3.0, 3.0]
+
+
+def test_a_static_leaf_after_array_only_calls_takes_the_filtered_path():
+    f = ArrayJit(lambda m, x: m["w"] * x if "act" not in m else m["act"](m["w"] * x))
+    assert f({"w": jnp.ones(2)}, 2.0).tolist() == [2.0, 2.0]
+    out = f({"w": jnp.ones(2), "act": jnp.negative}, 2.0)
+    assert out.tolist() == [-2.0, -2.0]
+    assert f({"w": jnp.ones(2)}, 3.0).tolist() == [3.0, 3.0]  # arrays again: still right
+
+
+def test_a_type_error_of_the_function_itself_is_raised_unchanged():
+    def bad(x):
+        raise TypeError("the user's own error")
+
+    with pytest.raises(TypeError, match="the user's own error"):
+        ArrayJit(bad)(jnp.ones(2))
