@@ -8,7 +8,7 @@
 * ``bitwise_train_step``: 50 Adam steps, jitted and donated, end in the same bits
   on three schedules;
 * FSDP groups (``chunk_axes``): the same bits for every data-parallel degree at the
-  same group size, errors, and the warning for large gathered params;
+  same devices per group, errors, and the warning for large gathered params;
 * a 3-D (data, fsdp, model) mesh, FSDP and tensor parallel at once: AdamW through
   ``train_step`` ends where default mode does (with and without ``chunk_axes``), and in
   the same bits at data degree 1 and 2 with FSDP groups.
