@@ -16,7 +16,8 @@ schedule (1 device, 1 microbatch) and yours, and prints both curves.
     python examples/train_clip.py --devices 4 --microbatches 2 --steps 20
     python examples/train_clip.py --devices 2 --processes 2 --bitwise   # bit for bit
 
-Only unsplit's public API is used (and optax): copy it as the start of your own run.
+Only unsplit's public API is used (and optax): copy it, with _schedule.py beside it (the
+flags and the two curves), as the start of your own run.
 """
 
 from __future__ import annotations

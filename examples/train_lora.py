@@ -15,7 +15,8 @@ and prints both curves.
     python examples/train_lora.py --devices 4 --microbatches 2 --steps 20
     python examples/train_lora.py --devices 4 --bitwise   # bit for bit
 
-Only unsplit's public API is used (and optax): copy it as the start of your own run.
+Only unsplit's public API is used (and optax): copy it, with _schedule.py beside it (the
+flags and the two curves), as the start of your own run.
 With Flax NNX, ``graphdef, lora, base = nnx.split(model, nnx.LoRAParam, ...)``
 gives the two trees: train ``lora``, pass ``base`` as ``frozen=`` and
 ``nnx.merge(graphdef, lora, base)`` inside the loss.
