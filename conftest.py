@@ -8,6 +8,16 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture
+def standard_promotion():
+    """JAX's standard dtype promotion for a test that runs user-style code (optax mixes
+    Python floats and int32), not the tests' strict mode: a module asks for it with
+    ``pytestmark = pytest.mark.usefixtures("standard_promotion")``."""
+    with jax.numpy_dtype_promotion("standard"):
+        yield

@@ -26,6 +26,9 @@ from typing import Any
 
 import jax
 
+import unsplit
+import unsplit.testing
+
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
 
@@ -99,6 +102,18 @@ def compiled_bytes(compiled: Any) -> int:
     """A compiled program's memory per device: arguments + outputs + temp (XLA's analysis)."""
     m = compiled.memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+
+
+def step_memory(step: Any, params: Any, batch: Any, key: jax.Array) -> int:
+    """An ``unsplit`` step's memory per device, in either mode.
+
+    Default mode: its one program's (``compiled_bytes``). Bitwise mode runs several
+    programs, so ``step.lower`` refuses it: ``unsplit.testing.bitwise_cost`` counts the
+    buffers it holds, each once.
+    """
+    if step.options.bitwise is None:
+        return compiled_bytes(step.lower(params, batch, key).compile())
+    return int(unsplit.testing.bitwise_cost(step, params, batch, key).memory_per_device)
 
 
 def ratio_cell(r: Result) -> str:

@@ -164,8 +164,8 @@ def measure(name: str, batch: int, width: int, tokens: int, repeats: int) -> lis
     results = {r.name: r for r in common.compare(candidates, baseline="plain", repeats=repeats)}
     memory = {n: common.compiled_temp_bytes(s, params, data, key) for n, s in steps.items()}
     features = jax.eval_shape(plain_features, params, data, key)
-    loss_pass = jax.jit(jax.value_and_grad(batch_loss_fn, argnums=(0, 1)))
-    floor = loss_pass.lower(params, features).compile().memory_analysis().temp_size_in_bytes
+    loss_pass = jax.value_and_grad(batch_loss_fn, argnums=(0, 1))
+    floor = common.compiled_temp_bytes(loss_pass, params, features)
     base = memory["unsplit k=1"]
     rows = [
         [f"{name}: {n}", common.ratio_cell(results[n]), f"{memory[n] / 2**20:.1f} MiB",

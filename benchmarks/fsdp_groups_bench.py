@@ -122,10 +122,7 @@ def child(mode: str, quick: bool) -> dict:
     step = step_for(mode, mesh)
     out = jax.block_until_ready(step(params, x, key))
     peak = rss() - base
-    if mode == "default":
-        compiled = common.compiled_bytes(step.lower(params, x, key).compile())
-    else:
-        compiled = unsplit.testing.bitwise_cost(step, params, x, key).memory_per_device
+    compiled = common.step_memory(step, params, x, key)
     identical = None
     if "chunk_axes=" in mode:
         one = mesh_of(1)

@@ -90,10 +90,7 @@ def realistic(
         start = time.perf_counter()
         common.block(step(params, batch, key))
         first[name] = time.perf_counter() - start
-        if name == "default":
-            memory[name] = common.compiled_bytes(step.lower(params, batch, key).compile())
-        else:
-            memory[name] = unsplit.testing.bitwise_cost(step, params, batch, key).memory_per_device
+        memory[name] = common.step_memory(step, params, batch, key)
     calls = {name: (lambda s=step: s(params, batch, key)) for name, step in steps.items()}
     results = common.compare(calls, baseline="default", repeats=3 if tiny else 7, inner=1, warmup=1)
     lines += ["| step | time / default: median (min-max) | median time | first call (compile) "

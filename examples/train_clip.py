@@ -16,7 +16,8 @@ schedule (1 device, 1 microbatch) and yours, and prints both curves.
     python examples/train_clip.py --devices 4 --microbatches 2 --steps 20
     python examples/train_clip.py --devices 2 --processes 2 --bitwise   # bit for bit
 
-Only unsplit's public API is used (and optax): copy it as the start of your own run.
+Only unsplit's public API is used (and optax): copy it, with _schedule.py beside it (the
+flags and the two curves), as the start of your own run.
 """
 
 from __future__ import annotations
@@ -25,22 +26,13 @@ import argparse
 import os
 import sys
 
+import _schedule
+
 DIM_A, DIM_B, HIDDEN, EMBED = 32, 24, 64, 16
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python examples/train_clip.py", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--devices", type=int, default=4, help="devices per process (default 4)")
-    p.add_argument("--processes", type=int, default=1, help="local JAX processes (default 1)")
-    p.add_argument("--microbatches", type=int, default=2, help="per device (default 2)")
-    p.add_argument("--bitwise", action="store_true", help="bit-identical across schedules")
-    p.add_argument("--steps", type=int, default=10, help="Adam steps (default 10)")
-    p.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
-    p.add_argument("--dropout", type=float, default=0.1, help="in both towers (default 0.1)")
-    p.add_argument("--seed", type=int, default=0)
-    return p
+    return _schedule.parser("train_clip.py", __doc__, processes=True, dropout="in both towers")
 
 
 def make_data(seed: int, batch: int, steps: int):
@@ -108,13 +100,11 @@ def make_step(args, mesh):
 def train(args) -> list[str]:
     """The loss curve as exact hex strings (every process returns the same)."""
     import jax
-    import numpy as np
     import optax
 
     import unsplit
 
-    devices = jax.devices()[: args.devices * args.processes]
-    mesh = jax.sharding.Mesh(np.array(devices), ("data",)) if len(devices) > 1 else None
+    mesh = _schedule.data_mesh(args.devices * args.processes)
     step = make_step(args, mesh)
     optimizer = optax.adam(3e-3)
     params = init_params(args.seed)
@@ -131,7 +121,7 @@ def train(args) -> list[str]:
             batch, ids = unsplit.global_batch(mine, mesh)
         key = jax.random.fold_in(jax.random.key(args.seed), s)
         loss, params, opt_state = train_fn(params, opt_state, batch, key, ids)
-        curve.append(np.asarray(jax.device_get(loss), np.float32).tobytes().hex())
+        curve.append(_schedule.exact(loss))
     return curve
 
 
@@ -163,32 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--batch {args.batch} must be a multiple of devices x processes x microbatches",
               file=sys.stderr)  # fmt: skip
         return 2
-    os.environ.setdefault(
-        "XLA_FLAGS", f"--xla_force_host_platform_device_count={max(args.devices, 1)}"
-    )
-    import numpy as np
-
-    reference = train(argparse.Namespace(**{**vars(args), "devices": 1, "processes": 1,
-                                            "microbatches": 1}))  # fmt: skip
-    yours = run(args)
-
-    def value(h: str) -> float:
-        return float(np.frombuffer(bytes.fromhex(h), np.float32)[0])
-
-    label = (f"{args.processes} process(es) x {args.devices} device(s) x "
-             f"{args.microbatches} microbatch(es)")  # fmt: skip
-    print(f"step  loss: 1 device, 1 microbatch   loss: {label}")
-    for s, (r, y) in enumerate(zip(reference, yours, strict=True)):
-        print(f"{s:4d}  {value(r):.7f}                   {value(y):.7f}")
-    worst = max(
-        abs(value(r) - value(y)) / abs(value(r)) for r, y in zip(reference, yours, strict=True)
-    )
-    same = reference == yours
-    print(f"bit-identical curves: {same}; largest relative difference: {worst:.2e}")
-    if args.bitwise and not same:
-        print("bitwise mode promised identical bits: this is a bug, please report it")
-        return 1
-    return 0 if worst <= 1e-4 else 1
+    return _schedule.compare(args, train, run)
 
 
 if __name__ == "__main__":

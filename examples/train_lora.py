@@ -15,7 +15,8 @@ and prints both curves.
     python examples/train_lora.py --devices 4 --microbatches 2 --steps 20
     python examples/train_lora.py --devices 4 --bitwise   # bit for bit
 
-Only unsplit's public API is used (and optax): copy it as the start of your own run.
+Only unsplit's public API is used (and optax): copy it, with _schedule.py beside it (the
+flags and the two curves), as the start of your own run.
 With Flax NNX, ``graphdef, lora, base = nnx.split(model, nnx.LoRAParam, ...)``
 gives the two trees: train ``lora``, pass ``base`` as ``frozen=`` and
 ``nnx.merge(graphdef, lora, base)`` inside the loss.
@@ -24,24 +25,17 @@ gives the two trees: train ``lora``, pass ``base`` as ``frozen=`` and
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+import _schedule
 
 DIM, HIDDEN, CLASSES, RANK = 32, 64, 8, 4
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python examples/train_lora.py", description=__doc__.split("\n\n")[0]
+    return _schedule.parser(
+        "train_lora.py", __doc__, processes=False, dropout="on the hidden layer"
     )
-    p.add_argument("--devices", type=int, default=4, help="devices (default 4)")
-    p.add_argument("--microbatches", type=int, default=2, help="per device (default 2)")
-    p.add_argument("--bitwise", action="store_true", help="bit-identical across schedules")
-    p.add_argument("--steps", type=int, default=10, help="Adam steps (default 10)")
-    p.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
-    p.add_argument("--dropout", type=float, default=0.1, help="on the hidden layer (default 0.1)")
-    p.add_argument("--seed", type=int, default=0)
-    return p
 
 
 def make_data(seed: int, batch: int, steps: int):
@@ -107,13 +101,11 @@ def make_step(args, mesh):
 def train(args) -> list[str]:
     """The loss curve as exact hex strings."""
     import jax
-    import numpy as np
     import optax
 
     import unsplit
 
-    devices = jax.devices()[: args.devices]
-    mesh = jax.sharding.Mesh(np.array(devices), ("data",)) if len(devices) > 1 else None
+    mesh = _schedule.data_mesh(args.devices)
     step = make_step(args, mesh)
     data, teacher = make_data(args.seed, args.batch, args.steps)
     base = init_base(teacher, args.seed, mesh)
@@ -126,7 +118,7 @@ def train(args) -> list[str]:
         batch = {k: v[s] for k, v in data.items()}
         key = jax.random.fold_in(jax.random.key(args.seed), s)
         loss, adapters, opt_state = train_fn(adapters, opt_state, batch, key, frozen=base)
-        curve.append(np.asarray(jax.device_get(loss), np.float32).tobytes().hex())
+        curve.append(_schedule.exact(loss))
     return curve
 
 
@@ -136,30 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--batch {args.batch} must be a multiple of devices x microbatches, and "
               f"{HIDDEN} hidden units of --devices", file=sys.stderr)  # fmt: skip
         return 2
-    os.environ.setdefault(
-        "XLA_FLAGS", f"--xla_force_host_platform_device_count={max(args.devices, 1)}"
-    )
-    import numpy as np
-
-    reference = train(argparse.Namespace(**{**vars(args), "devices": 1, "microbatches": 1}))
-    yours = train(args)
-
-    def value(h: str) -> float:
-        return float(np.frombuffer(bytes.fromhex(h), np.float32)[0])
-
-    label = f"{args.devices} device(s) x {args.microbatches} microbatch(es)"
-    print(f"step  loss: 1 device, 1 microbatch   loss: {label}")
-    for s, (r, y) in enumerate(zip(reference, yours, strict=True)):
-        print(f"{s:4d}  {value(r):.7f}                   {value(y):.7f}")
-    worst = max(
-        abs(value(r) - value(y)) / abs(value(r)) for r, y in zip(reference, yours, strict=True)
-    )
-    same = reference == yours
-    print(f"bit-identical curves: {same}; largest relative difference: {worst:.2e}")
-    if args.bitwise and not same:
-        print("bitwise mode promised identical bits: this is a bug, please report it")
-        return 1
-    return 0 if worst <= 1e-4 else 1
+    return _schedule.compare(args, train)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,15 @@
 """examples/train_clip.py: the contrastive loss curve does not depend on the schedule."""
 
-import importlib.util
-import pathlib
-import sys
-
-import jax
+import example_scripts
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_clip.py"
-
-
-@pytest.fixture(autouse=True)
-def standard_promotion():
-    with jax.numpy_dtype_promotion("standard"):  # user code (optax), not the tests' strict mode
-        yield
+pytestmark = pytest.mark.usefixtures("standard_promotion")  # user code (optax)
 
 
 @pytest.fixture(scope="module")
 def train_clip():
-    spec = importlib.util.spec_from_file_location("train_clip", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_clip"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("train_clip", None)
+    with example_scripts.loaded("train_clip") as module:
+        yield module
 
 
 @pytest.mark.parametrize("bitwise", [[], ["--bitwise"]])
@@ -36,7 +22,7 @@ def test_devices_and_microbatches_give_the_one_device_curve(train_clip, capsys, 
 
 @pytest.mark.multiprocess
 def test_two_processes_give_the_one_device_curve(train_clip, capsys, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(SCRIPT.parent))
+    monkeypatch.setenv("PYTHONPATH", str(example_scripts.EXAMPLES))
     argv = ["--devices", "2", "--processes", "2", "--microbatches", "1", "--steps", "2"]
     assert train_clip.main(argv) == 0
     assert "largest relative difference" in capsys.readouterr().out

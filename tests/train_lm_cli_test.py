@@ -1,27 +1,15 @@
 """examples/train_lm.py's command line: the contract's flags, clear errors (no training here)."""
 
-import importlib.util
-import pathlib
 import re
-import sys
 
+import example_scripts
 import pytest
-
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
 
 
 @pytest.fixture(scope="module")
 def train_lm():
-    # Registered before it runs, as an import would: dataclasses resolves the script's
-    # string annotations through sys.modules[cls.__module__].
-    spec = importlib.util.spec_from_file_location("train_lm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with example_scripts.loaded("train_lm") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def parse(train_lm, *argv):

@@ -1,29 +1,15 @@
 """examples/train_lora.py: adapters on a frozen FSDP base; the curve does not depend on the schedule."""
 
-import importlib.util
-import pathlib
-import sys
-
-import jax
+import example_scripts
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_lora.py"
-
-
-@pytest.fixture(autouse=True)
-def standard_promotion():
-    with jax.numpy_dtype_promotion("standard"):  # user code (optax), not the tests' strict mode
-        yield
+pytestmark = pytest.mark.usefixtures("standard_promotion")  # user code (optax)
 
 
 @pytest.fixture(scope="module")
 def train_lora():
-    spec = importlib.util.spec_from_file_location("train_lora", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_lora"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("train_lora", None)
+    with example_scripts.loaded("train_lora") as module:
+        yield module
 
 
 @pytest.mark.parametrize("bitwise", [[], ["--bitwise"]])

@@ -141,6 +141,26 @@ def to_hex(tree: Any) -> list[str]:
     return [np.ascontiguousarray(np.asarray(x)).tobytes().hex() for x in jax.tree.leaves(tree)]
 
 
+# ---- a tiny loss with dropout on its inputs: train steps and their memory ---------------
+
+
+def tiny_batch() -> jax.Array:
+    """16 rows of 4 features."""
+    return jax.random.normal(jax.random.key(1), (16, 4))
+
+
+def tiny_params() -> dict:
+    """``{"a": (4, 8), "b": (8,)}``."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"a": jax.random.normal(k1, (4, 8)), "b": jax.random.normal(k2, (8,))}
+
+
+def tiny_loss(w, x, key):
+    """One row's loss: the row's features dropped at rate 0.3 (its key), two layers."""
+    keep = jax.random.bernoulli(key, 0.7, x.shape)
+    return jnp.sum(jnp.tanh(jnp.where(keep, x, 0.0) @ w["a"]) @ w["b"]) ** 2
+
+
 # ---- a two-layer MLP whose params every layout can shard -------------------------------
 
 MLP_SIZES = D, H, C, B = 16, 32, 8, 64  # input, hidden, classes, batch

@@ -10,6 +10,7 @@ explicitly override the preset.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 VOCAB = 96  # data.ALPHABET: newline and printable ASCII
 
@@ -44,19 +45,7 @@ class DemoConfig:
 
     def model(self):
         """The demo's :class:`unsplit.models.Transformer` (imports jax and flax)."""
-        from unsplit import models
-
-        return models.Transformer(
-            models.TransformerConfig(
-                vocab=VOCAB,
-                length=self.length,
-                width=self.width,
-                heads=self.heads,
-                layers=self.layers,
-                dropout=self.dropout,
-                attention_dropout=self.dropout,
-            )
-        )
+        return transformer(self)
 
     def snapshot_steps(self) -> list[int]:
         """Steps after which the parameters are compared (always includes the last)."""
@@ -106,3 +95,22 @@ def make(preset: str = "default", **given) -> DemoConfig:
     values = dict(PRESETS[preset])
     values.update({k: v for k, v in given.items() if v is not None})
     return DemoConfig(**values)
+
+
+def transformer(sizes: Any):
+    """The demo's :class:`unsplit.models.Transformer` of ``sizes``' length, width, heads,
+    layers and dropout (attention's too), over the demo's characters; imports jax and flax.
+    """
+    from unsplit import models
+
+    return models.Transformer(
+        models.TransformerConfig(
+            vocab=VOCAB,
+            length=sizes.length,
+            width=sizes.width,
+            heads=sizes.heads,
+            layers=sizes.layers,
+            dropout=sizes.dropout,
+            attention_dropout=sizes.dropout,
+        )
+    )

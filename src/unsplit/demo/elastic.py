@@ -52,17 +52,7 @@ class ElasticConfig:
     microbatches: int = 1  # schedule only: may change on resume
 
     def model(self) -> models.Transformer:
-        return models.Transformer(
-            models.TransformerConfig(
-                vocab=demo_config.VOCAB,
-                length=self.length,
-                width=self.width,
-                heads=self.heads,
-                layers=self.layers,
-                dropout=self.dropout,
-                attention_dropout=self.dropout,
-            )
-        )
+        return demo_config.transformer(self)
 
     def effective_chunk_size(self) -> int | None:
         """The chunk size bitwise mode uses (None in default mode)."""

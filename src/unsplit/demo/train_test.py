@@ -57,10 +57,8 @@ def test_same_key_microbatches_get_identical_masks():
 CONFIG = demo_config.make("quick")
 
 
-@pytest.fixture(autouse=True)
-def standard_promotion():
-    with jax.numpy_dtype_promotion("standard"):  # the demo's optax code mixes int and float
-        yield
+# The demo's optax code mixes int and float: standard promotion, not the tests' strict mode.
+pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
 @pytest.fixture(scope="module")

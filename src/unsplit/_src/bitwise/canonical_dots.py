@@ -39,6 +39,8 @@ import jax
 from jax.extend import core
 from jax.extend.core import primitives
 
+from unsplit._src.step import jaxpr_eval
+
 # YNNPACK fusions for dots and elementwise ops; not REDUCE (its reductions are not
 # needed for the guarantee, and were not measured).
 CPU_OPTIONS: dict[str, str | bool] = {  # the type jax's compile() takes
@@ -88,52 +90,25 @@ def _canonical_dot(lhs, rhs, *, dimension_numbers, **params):
 
 def _retrace(jaxpr: core.Jaxpr, consts) -> tuple[core.Jaxpr, list[Any]]:
     """``jaxpr`` (with ``consts``) traced again through :func:`_eval`: the same types."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]  # pyright: ignore[reportAttributeAccessIssue]  # invars are ShapedArrays
-    closed = jax.make_jaxpr(lambda *a: _eval(jaxpr, consts, *a))(*avals)
-    return closed.jaxpr, list(closed.consts)
-
-
-def _rewrite_param(value):
-    if isinstance(value, core.ClosedJaxpr):
-        return core.ClosedJaxpr(*_retrace(value.jaxpr, value.consts))
-    if isinstance(value, core.Jaxpr) and not value.constvars:
-        new, consts = _retrace(value, ())
-        return value if consts else new  # an open jaxpr cannot take new constants
-    if isinstance(value, tuple) and any(isinstance(v, core.ClosedJaxpr) for v in value):
-        return tuple(_rewrite_param(v) for v in value)
-    return value
+    return jaxpr_eval.retrace(jaxpr, consts, _eval)
 
 
 def _eval(jaxpr: core.Jaxpr, consts, *args) -> list[Any]:
-    env: dict[Any, Any] = {}
+    return jaxpr_eval.evaluate(jaxpr, consts, args, _equation, eqn_context=True)
 
-    def read(v):
-        return v.val if isinstance(v, core.Literal) else env[v]
 
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        with eqn.ctx.manager:
-            if eqn.primitive is primitives.dot_general_p:
-                ans = _canonical_dot(*invals, **eqn.params)
-            elif name in _INLINED:  # post-AD: the primal computation, nothing differentiates it
-                body: Any = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
-                ans = _eval(body.jaxpr, body.consts, *invals)
-            elif name == "shard_map":
-                ans = _shard_map(eqn.params, invals)
-            else:
-                params = {k: _rewrite_param(v) for k, v in eqn.params.items()}
-                ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-        if eqn.primitive.multiple_results:
-            for v, x in zip(eqn.outvars, ans, strict=True):
-                env[v] = x
-        else:
-            env[eqn.outvars[0]] = ans
-    return [read(v) for v in jaxpr.outvars]
+def _equation(eqn: core.JaxprEqn, invals: list[Any]) -> Any:
+    """One equation's outputs, its dots (and those of its nested jaxprs) canonical."""
+    name = eqn.primitive.name
+    if eqn.primitive is primitives.dot_general_p:
+        return _canonical_dot(*invals, **eqn.params)
+    if name in _INLINED:  # post-AD: the primal computation, nothing differentiates it
+        body: Any = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+        return _eval(body.jaxpr, body.consts, *invals)
+    if name == "shard_map":
+        return _shard_map(eqn.params, invals)
+    params = {k: jaxpr_eval.nested(v, _retrace) for k, v in eqn.params.items()}
+    return jaxpr_eval.bind(eqn, invals, params)
 
 
 def _shard_map(params, invals) -> list[Any]:

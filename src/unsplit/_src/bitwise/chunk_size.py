@@ -46,7 +46,7 @@ def chunk_size_for(
             product of the ``batch_axes`` sizes), one int or several.
         group_devices: with ``chunk_axes`` (FSDP groups), the devices of the
             chunk axes: every chunk is split over them. The same for every
-            schedule (another group size runs another program, other bits).
+            schedule (another number runs another program, other bits).
         at_most: the largest chunk size to consider (activation memory).
 
     Returns:

@@ -4,8 +4,8 @@ The passes of :mod:`unsplit._src.step.coupled`, each as a program whose
 inputs do not depend on the schedule:
 
 1. ``features`` (a chunk program per group -- one device, or the group's
-   model-parallel or FSDP-group devices -- compiled once per group size and
-   relocated like the sums' chunk program): one chunk's features, forward
+   model-parallel or FSDP-group devices -- compiled once and relocated onto the
+   other groups like the sums' chunk program): one chunk's features, forward
    only. The chunks' features are gathered onto one group per process in
    global-batch order (exact data movement).
 2. ``loss`` (one program on that group over the whole global batch's

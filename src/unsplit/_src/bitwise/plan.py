@@ -99,6 +99,11 @@ def check_chunk_axes(
     return ordered
 
 
+def chunk_split(mesh: Mesh, chunk_axes: tuple[str, ...]) -> int:
+    """How many pieces a chunk's rows are split into: the chunk axes' devices (1 without)."""
+    return math.prod(mesh.shape[a] for a in chunk_axes)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything about a bitwise step that depends on the params layout and batch size."""
@@ -124,13 +129,9 @@ class Plan:
         return self.chunks // self.per_group
 
     @property
-    def group_size(self) -> int:
+    def devices_per_group(self) -> int:
+        """How many devices compute each group's chunks together (the group axes')."""
         return math.prod(self.compute.shape[a] for a in self.group_axes)
-
-    @property
-    def chunk_split(self) -> int:
-        """How many pieces a chunk's rows are split into (the chunk axes' devices)."""
-        return math.prod(self.compute.shape[a] for a in self.chunk_axes)
 
     @property
     def outer_entry(self) -> Any:

@@ -8,7 +8,10 @@
 * ``bitwise_train_step``: 50 Adam steps, jitted and donated, end in the same bits
   on three schedules;
 * FSDP groups (``chunk_axes``): the same bits for every data-parallel degree at the
-  same group size, errors, and the warning for large gathered params.
+  same devices per group, errors, and the warning for large gathered params;
+* a 3-D (data, fsdp, model) mesh, FSDP and tensor parallel at once: AdamW through
+  ``train_step`` ends where default mode does (with and without ``chunk_axes``), and in
+  the same bits at data degree 1 and 2 with FSDP groups.
 """
 
 import functools
@@ -18,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -326,3 +330,55 @@ def test_large_gathered_params_warn_once_and_point_to_chunk_axes(monkeypatch):
             chunk_axes="fsdp", chunk_size=4,
         )  # fmt: skip
         grouped(params, batch, GROUP_KEY)  # params stay sharded: no warning
+
+
+# ---- a 3-D (data, fsdp, model) mesh: FSDP and tensor parallel at once, train_step ----------
+
+# The MLP's matrices sharded over fsdp (one dimension) and model (the other); the batch split
+# over data and fsdp. The groups (fsdp x model with chunk_axes="fsdp") stay fixed while data
+# changes.
+SPECS_3D = {"w1": P("fsdp", "model"), "b1": P("model"), "w2": P("model", "fsdp"), "b2": P()}
+
+
+def train_3d(data, options, steps=3):
+    """Three AdamW steps of the MLP on a (data, 2, 2) mesh: the last loss and the params."""
+    mesh = jax.make_mesh((data, 2, 2), ("data", "fsdp", "model"), devices=jax.devices()[: 4 * data])
+    params = {
+        k: jax.device_put(v, NamedSharding(mesh, SPECS_3D[k]))
+        for k, v in testing.mlp_params().items()
+    }
+    optimizer = optax.adamw(1e-2)
+    with jax.set_mesh(mesh):
+        opt_state = optimizer.init(params)
+    step = unsplit.value_and_grad(
+        testing.MLP_LOSSES[False], mesh=mesh, batch_axes=("data", "fsdp"), **options
+    )
+    train = unsplit.train_step(step, optimizer)
+    batch = testing.mlp_batch()
+    for i in range(steps):
+        loss, params, opt_state = train(params, opt_state, batch, jax.random.key(i))
+    for k, v in params.items():
+        assert v.sharding.is_equivalent_to(NamedSharding(mesh, SPECS_3D[k]), v.ndim), k
+    return jax.device_get((loss, params))
+
+
+@pytest.fixture(scope="module")
+def default_3d():
+    with jax.numpy_dtype_promotion("standard"):  # set up before the function's fixture
+        return train_3d(2, {})
+
+
+@pytest.mark.parametrize("chunk_axes", [None, "fsdp"], ids=["gathered", "fsdp_groups"])
+@pytest.mark.usefixtures("standard_promotion")  # optax mixes Python floats and int32
+@pytest.mark.xdist_group("mesh_3d")  # a group of its own: need not wait for "bitwise"
+def test_bitwise_train_step_on_a_3d_mesh_matches_default_mode(default_3d, chunk_axes):
+    bitwise = train_3d(2, {"bitwise": True, "chunk_size": 8, "chunk_axes": chunk_axes})
+    for a, b in zip(jax.tree.leaves(bitwise), jax.tree.leaves(default_3d), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.usefixtures("standard_promotion")  # optax mixes Python floats and int32
+@pytest.mark.xdist_group("mesh_3d")  # a group of its own: need not wait for "bitwise"
+def test_bitwise_fsdp_groups_on_a_3d_mesh_give_the_same_bits_at_every_data_degree():
+    options = {"bitwise": True, "chunk_size": 8, "chunk_axes": "fsdp"}
+    assert testing.bits_equal(train_3d(1, options), train_3d(2, options))

@@ -64,7 +64,9 @@ class Runner:
         plan = self.plan
         return [
             jax.ShapeDtypeStruct(
-                (plan.groups, plan.slots, n * plan.group_size), dtype, sharding=self.slots_sharding
+                (plan.groups, plan.slots, n * plan.devices_per_group),
+                dtype,
+                sharding=self.slots_sharding,
             )
             for n, dtype in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
         ]

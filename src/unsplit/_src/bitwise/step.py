@@ -68,19 +68,15 @@ class BitwiseStep:
         else:
             self.single = False
         self.layout = layout
+        # How many devices compute each chunk together: the chunk size is a multiple of it.
+        self.chunk_split = bitwise_plan.chunk_split(layout.required_mesh(), self.chunk_axes)
         accelerators.warn_once_without_gpu_flags(layout.required_mesh().devices.flat)
         self._plans: dict[Any, Any] = {}
         self._warned: set[str] = set()
 
-    @property
-    def chunk_split(self) -> int:
-        """How many devices compute each chunk together (the chunk axes'; 1 without)."""
-        mesh = self.layout.required_mesh()
-        return math.prod(mesh.shape[a] for a in self.chunk_axes)
-
     def chunk(self, batch: int) -> int:
         """The chunk size: given, else the default for ``batch`` made a multiple of the
-        chunk axes' devices (a function of the batch size and the group size only)."""
+        chunk axes' devices (a function of the batch size and those devices only)."""
         if self.chunk_size:
             return self.chunk_size
         chunk = default_chunk_size(batch)

@@ -54,7 +54,7 @@ def bytes_sent(program: Any) -> float:
         if kind == "collective-permute":
             total += result
             continue
-        g = _group_size(line, everyone)
+        g = _devices_per_replica_group(line, everyone)
         share = {
             "all-reduce": 2 * (g - 1) / g,
             "all-gather": (g - 1) / g,
@@ -77,7 +77,7 @@ def _result_bytes(result: str) -> int:
     return total
 
 
-def _group_size(line: str, everyone: int) -> int:
+def _devices_per_replica_group(line: str, everyone: int) -> int:
     """The devices in each of the instruction's replica groups."""
     named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
     if named:  # newer XLA: replica_groups=mesh['data'=4,'model'=2] {'data'}

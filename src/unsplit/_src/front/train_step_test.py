@@ -12,25 +12,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
+from unsplit._src import test_util
 
+pytestmark = pytest.mark.usefixtures("standard_promotion")  # optax mixes floats and int32
 KEY = jax.random.key(3)
-X = jax.random.normal(jax.random.key(1), (16, 4))
-
-
-@pytest.fixture(autouse=True)
-def standard_promotion():
-    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
-        yield
-
-
-def loss_fn(w, x, key):
-    keep = jax.random.bernoulli(key, 0.7, x.shape)
-    return jnp.sum(jnp.tanh(jnp.where(keep, x, 0.0) @ w["a"]) @ w["b"]) ** 2
-
-
-def init():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {"a": jax.random.normal(k1, (4, 8)), "b": jax.random.normal(k2, (8,))}
+X = test_util.tiny_batch()
+loss_fn, init = test_util.tiny_loss, test_util.tiny_params
 
 
 def counting(optimizer, traces):

@@ -79,8 +79,9 @@ def value_and_grad(
             of ``batch_axes``, the last of them) whose devices compute each
             chunk *together* (FSDP groups): params stay sharded over them, the
             chunk's rows are split over the group, and the bits are fixed by
-            the group's size (like a model-parallel layout), not by the other
-            batch axes. Per-device memory then scales as params / group size.
+            its number of devices (like a model-parallel layout), not by the
+            other batch axes. Per-device memory then scales as params / devices
+            per group.
             Default ``None``: every device computes its chunks alone, with
             params sharded over the batch axes gathered whole.
         group_size: make every ``group_size`` consecutive rows of the batch

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from unsplit._src import frozen as frozen_lib
 from unsplit._src import partition
 from unsplit._src.audit import state as audit_state
+from unsplit._src.step import jaxpr_eval
 
 _CONSTRAINTS = ("sharding_constraint", "reshard", "mesh_cast")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -264,20 +265,11 @@ class _Rewrite:
         return new
 
     def jaxpr_param(self, value: Any) -> Any:
-        if isinstance(value, core.ClosedJaxpr):
-            return core.ClosedJaxpr(*self.retrace(value.jaxpr, value.consts))
-        if isinstance(value, core.Jaxpr) and not value.constvars:
-            new, consts = self.retrace(value, ())
-            return value if consts else new  # an open jaxpr cannot take new constants
-        if isinstance(value, tuple) and any(isinstance(v, core.ClosedJaxpr) for v in value):
-            return tuple(self.jaxpr_param(v) for v in value)
-        return value
+        return jaxpr_eval.nested(value, self.retrace)
 
     def retrace(self, jaxpr: core.Jaxpr, consts) -> tuple[core.Jaxpr, list[Any]]:
         """A nested jaxpr traced again through :meth:`eval`, its inputs typed on the program's mesh."""
-        avals = [self.aval(v.aval) for v in jaxpr.invars]
-        closed = jax.make_jaxpr(lambda *a: self.eval(jaxpr, consts, *a))(*avals)
-        return closed.jaxpr, list(closed.consts)
+        return jaxpr_eval.retrace(jaxpr, consts, self.eval, self.aval)
 
     def aval(self, aval) -> Any:
         weak = bool(getattr(aval, "weak_type", False))
@@ -292,42 +284,27 @@ class _Rewrite:
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=weak)
 
     def eval(self, jaxpr: core.Jaxpr, consts, *args) -> list[Any]:
-        env: dict[Any, Any] = {}
+        # Not under each equation's context: that holds the user's mesh, which this moves off.
+        return jaxpr_eval.evaluate(jaxpr, consts, args, self.equation)
 
-        def read(v):
-            return v.val if isinstance(v, core.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args, strict=True):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            name, params = eqn.primitive.name, eqn.params
-            if name == "sharding_constraint":
-                ans = self.constrain(invals[0], params["sharding"], explicit_too=False)
-            elif name in ("reshard", "mesh_cast"):
-                ans = self.constrain(invals[0], params["dst_sharding"], explicit_too=True)
-            elif name in _CALLS and "jaxpr" in params:  # a jit inside the loss: inlined
-                body = params["jaxpr"]
-                ans = self.eval(body.jaxpr, body.consts, *invals)
-            elif name == "custom_jvp_call":
-                new = eqn.primitive.get_bind_params(self.custom(params))
-                ans = eqn.primitive.bind(*invals, **new)
-            elif name == "custom_vjp_call":
-                # Its bwd rule checks cotangents against the types on the user's mesh, which
-                # the program's values do not have: differentiated through its primal instead.
-                body = params["call_jaxpr"]
-                ans = self.eval(body.jaxpr, body.consts, *invals)
-            else:
-                new = {k: self.param(v) for k, v in params.items()}
-                ans = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(new))
-            if eqn.primitive.multiple_results:
-                for v, x in zip(eqn.outvars, ans, strict=True):
-                    env[v] = x
-            else:
-                env[eqn.outvars[0]] = ans
-        return [read(v) for v in jaxpr.outvars]
+    def equation(self, eqn: core.JaxprEqn, invals: list[Any]) -> Any:
+        """One equation's outputs, its shardings on the program's mesh."""
+        name, params = eqn.primitive.name, eqn.params
+        if name == "sharding_constraint":
+            return self.constrain(invals[0], params["sharding"], explicit_too=False)
+        if name in ("reshard", "mesh_cast"):
+            return self.constrain(invals[0], params["dst_sharding"], explicit_too=True)
+        if name in _CALLS and "jaxpr" in params:  # a jit inside the loss: inlined
+            body = params["jaxpr"]
+            return self.eval(body.jaxpr, body.consts, *invals)
+        if name == "custom_jvp_call":
+            return jaxpr_eval.bind(eqn, invals, self.custom(params))
+        if name == "custom_vjp_call":
+            # Its bwd rule checks cotangents against the types on the user's mesh, which
+            # the program's values do not have: differentiated through its primal instead.
+            body = params["call_jaxpr"]
+            return self.eval(body.jaxpr, body.consts, *invals)
+        return jaxpr_eval.bind(eqn, invals, {k: self.param(v) for k, v in params.items()})
 
 
 def _without(entry, axes) -> Any:

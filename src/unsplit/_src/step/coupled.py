@@ -70,13 +70,7 @@ def check_batch_loss(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
     """``batch_loss_fn``'s output as ``(scalar loss, aux)``."""
     aux = None
     if has_aux:
-        if not isinstance(out, tuple | list) or len(out) != 2:
-            raise TypeError(
-                "with has_aux=True, batch_loss must return a pair (loss, aux) for the global "
-                f"batch; got {validate.describe(out, 'it')}. Fix: return e.g. (loss, {{'accuracy': acc}}), "
-                "or use has_aux=False."
-            )
-        out, aux = out
+        out, aux = validate.aux_pair(out, False, "batch_loss", "the global batch")
     elif isinstance(out, tuple | list):
         raise TypeError(
             f"batch_loss returned {validate.describe(out, 'it')}; it must return the scalar loss of the "

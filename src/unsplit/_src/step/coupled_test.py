@@ -184,6 +184,16 @@ def test_a_batch_loss_that_is_not_a_scalar_is_refused_with_a_fix():
         step(init_params(), make_batch(), KEY)
 
 
+def test_a_batch_loss_without_its_aux_pair_is_refused_with_a_fix():
+    step = unsplit.value_and_grad(features_fn, batch_loss=batch_loss_fn, has_aux=True)
+    with pytest.raises(
+        TypeError,
+        match=r"has_aux=True, batch_loss must return a pair \(loss, aux\) for the global "
+        r"batch; got an array of shape \(\).*Fix: return e.g. \(loss, ",
+    ):
+        step(init_params(), make_batch(), KEY)
+
+
 def test_first_call_audits_features_fn():
     fixed = jax.random.key(5)
 

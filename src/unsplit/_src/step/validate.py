@@ -236,13 +236,19 @@ def ids_words(ids: Any, batch: int) -> Any:
     return keys_lib.Ids64(hi=hi, lo=lo)
 
 
-def aux_pair(out: Any, weighted: bool) -> tuple[Any, Any]:
-    """With ``has_aux=True``: the user's ``(value, aux)`` pair, checked."""
+def aux_pair(
+    out: Any, weighted: bool, fn: str = "loss_fn", of: str = "one example"
+) -> tuple[Any, Any]:
+    """With ``has_aux=True``: the user's ``(value, aux)`` pair, checked.
+
+    ``fn`` returned it for ``of``: ``loss_fn`` for one example, ``batch_loss`` for
+    the global batch.
+    """
     value = "(loss_sum, weight)" if weighted else "loss"
     if not isinstance(out, tuple | list) or len(out) != 2:
         raise TypeError(
-            f"with has_aux=True, loss_fn must return a pair ({value}, aux) for one example; "
-            f"got {describe(out)}. Fix: return e.g. ({value}, {{'accuracy': acc}}), or use "
+            f"with has_aux=True, {fn} must return a pair ({value}, aux) for {of}; "
+            f"got {describe(out, fn)}. Fix: return e.g. ({value}, {{'accuracy': acc}}), or use "
             "has_aux=False."
         )
     return out[0], out[1]
