@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import sys
 import traceback
 from collections.abc import Iterator
@@ -44,16 +45,17 @@ class Update(NamedTuple):
 
 
 # Set while unsplit itself traces the loss a second time for its own reasons (the shardings'
-# retargeting): updates seen then belong to that trace, not to the call being watched.
-_PAUSED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "unsplit_state_paused", default=False
-)
+# retargeting): updates seen then belong to that trace, not to the call being watched. It holds
+# the serial number below which recorders are paused: those made before the pause; a recorder
+# made inside (the guard of that trace itself) records.
+_PAUSED: contextvars.ContextVar[int] = contextvars.ContextVar("unsplit_state_paused", default=0)
+_serials = itertools.count(1)
 
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """No :class:`Recorder` records inside this context."""
-    token = _PAUSED.set(True)
+    """No :class:`Recorder` made before this context records inside it."""
+    token = _PAUSED.set(next(_serials))
     try:
         yield
     finally:
@@ -66,6 +68,7 @@ class Recorder:
     def __init__(self) -> None:
         self.updates: list[Update] = []
         self._seen: set[int] = set()
+        self._serial = next(_serials)
 
     @contextlib.contextmanager
     def linen(self) -> Iterator[None]:
@@ -78,7 +81,7 @@ class Recorder:
             yield
 
     def _intercept(self, next_fun, args, kwargs, context):
-        if _PAUSED.get():
+        if self._serial < _PAUSED.get():
             return next_fun(*args, **kwargs)
         module = context.module
         before = _linen_state(module)

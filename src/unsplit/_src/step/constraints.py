@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from unsplit._src import frozen as frozen_lib
 from unsplit._src import partition
 from unsplit._src.audit import state as audit_state
-from unsplit._src.step import jaxpr_eval
+from unsplit._src.step import jaxpr_eval, state_guard
 
 _CONSTRAINTS = ("sharding_constraint", "reshard", "mesh_cast")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -127,11 +127,18 @@ def _user_trace(loss_fn, treedef, leaves, mask, user_mesh):
     def traced(*arrays):
         it_a, it_s = iter(arrays), iter(statics)
         args = jax.tree.unflatten(treedef, [next(it_a) if m else next(it_s) for m in mask])
-        return loss_fn(*args)
+        # The loss runs as this jaxpr, not as Python: this is the trace whose dropped state
+        # updates (a BatchNorm's) must be found, against what this trace returns.
+        with state_guard.watch(args[0]) as guard:
+            out = loss_fn(*args)
+        guard.check(returned=out)
+        return out
 
-    try:  # a trace of unsplit's own: the state guard watches the call, not this trace
+    try:  # the caller's guard watches the call, not this trace of unsplit's own
         with audit_state.paused(), jax.sharding.use_abstract_mesh(user_mesh.abstract_mesh):
             closed, shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
+    except state_guard.DroppedStateError:
+        raise
     except Exception:  # the loss runs as it is: its own error (if any) comes from there
         return None, None
     return closed, jax.tree.structure(shape)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as flax_nn
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -139,3 +140,41 @@ def test_a_loss_without_shardings_runs_as_it_is():
     f = constraints.retargeted(loss, mesh, keep=("seq",))
     assert float(f(jnp.float32(2.0), jnp.ones(3), None)) == 6.0
     assert len(calls) == 2  # the trace on the user's mesh, then the loss itself
+
+
+class _NormedMLP(flax_nn.Module):
+    """A BatchNorm between two layers, its activation constrained over "seq"."""
+
+    @flax_nn.compact
+    def __call__(self, x, train):
+        h = flax_nn.Dense(D)(x)
+        h = jax.lax.with_sharding_constraint(h, P("seq", None))
+        return jnp.mean(flax_nn.BatchNorm(use_running_average=not train)(h) ** 2)
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_a_dropped_batchnorm_update_is_found_in_a_loss_with_shardings(bitwise):
+    # The loss runs as its jaxpr on the program's mesh (the shardings moved there), not as
+    # Python: the update is found in unsplit's own trace, against what that trace returns.
+    mesh = _mesh("seq", AxisType.Auto)
+    net = _NormedMLP()
+    with jax.set_mesh(mesh):
+        variables = net.init(jax.random.key(0), jnp.ones((S, D)), train=False)
+    batch = np.ones((8, S, D), np.float32)
+    options = {"bitwise": True, "chunk_size": 2} if bitwise else {}
+
+    def dropped(v, x, key):
+        return net.apply(v, x, train=True, mutable=["batch_stats"])[0]
+
+    step = unsplit.value_and_grad(dropped, mesh=mesh, **options)
+    with jax.set_mesh(mesh), pytest.raises(unsplit.DroppedStateError, match="BatchNorm"):
+        step(variables, batch, jax.random.key(0))
+
+    def returned(v, x, key):  # the update comes back in aux: kept, no error
+        loss, state = net.apply(v, x, train=True, mutable=["batch_stats"])
+        return loss, state
+
+    step = unsplit.value_and_grad(returned, mesh=mesh, has_aux=True, **options)
+    with jax.set_mesh(mesh):
+        (loss, state), _ = step(variables, batch, jax.random.key(0))
+    assert np.isfinite(float(loss)) and "batch_stats" in state
