@@ -1,0 +1,238 @@
+"""Inside an FSDP group: every float sum across its devices in a fixed order of unsplit's.
+
+A chunk program of a group with ``chunk_axes`` splits the chunk's rows over the
+chunk axes' devices. Left to XLA (one SPMD program, params sharded over the
+group), the devices' partial gradients are added by the reduce-scatter XLA
+inserts, in the order of the collectives' implementation: a plain process and
+one under ``jax.distributed`` (gloo) gave bits 1.6e-8 apart. Here the program is
+manual over the chunk axes (``jax.shard_map`` with ``axis_names``: model and
+sequence axes stay XLA's, inside the model's own partitioning):
+
+1. :meth:`GroupReduce.gathered_map`: every device all-gathers the params over the
+   chunk axes (exact data movement) and computes its own rows (its partial sums
+   of the chunk, full size over the chunk axes);
+2. :meth:`GroupReduce.reduce_scatter`: each device cuts its partial sums into one
+   piece per chunk-axes device (the block of a leaf sharded over them; a piece of
+   the flat vector of the leaves that are not, and of the loss and weight), an
+   ``all_to_all`` brings every device's piece ``d`` to device ``d``, which adds the
+   ``G`` pieces in the canonical tree over the device index
+   (:func:`unsplit._src.bitwise.reduce.combine`); the unsharded leaves' sums are
+   then all-gathered (exact). Each device sends about ``(G - 1) / G`` of its
+   partial sums (twice that for leaves not sharded over the group): a ring
+   reduce-scatter's bytes, with the order fixed. Never a ``psum``.
+
+Elementwise adds are exactly rounded, so a group's sums depend on its size and
+its rows' split only: not on the collectives, the processes or the host layout.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from unsplit._src.bitwise import group_reduce
+    >>> add = lambda a, b: a + b
+    >>> float(group_reduce.fixed_sum(jnp.arange(4.0)[:, None], add)[0])  # ((0+1)+(2+3))
+    6.0
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from unsplit._src import partition
+from unsplit._src.bitwise import reduce
+from unsplit._src.bitwise.flat import FlatPlan
+
+# FSDP groups add their devices' partial sums in unsplit's fixed order (True) or leave
+# them to XLA's reduce-scatter (False). A switch for measuring what it costs, not a setting.
+FIXED_ORDER = True
+
+
+def fixed_sum(rows: jax.Array, add) -> jax.Array:
+    """``rows[0] + rows[1] + ...`` in the canonical tree over the row index."""
+    n = rows.shape[0]
+    return reduce.combine({(s, 1): rows[s] for s in range(n)}, n, add)
+
+
+def _add(a, b):
+    return a + b
+
+
+def _gather(x: jax.Array, spec: P, chunk: tuple[str, ...]) -> jax.Array:
+    """``x`` (this device's block over the chunk axes) whole over them (exact)."""
+    key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    impl = jax.random.key_impl(x) if key else None
+    data = jax.random.key_data(x) if key else x
+    for dim, entry in enumerate(spec):
+        axes = tuple(n for n in partition.names(entry) if n in chunk)
+        if axes:
+            data = jax.lax.all_gather(data, partition.entry(axes), axis=dim, tiled=True)
+    return jax.random.wrap_key_data(data, impl=impl) if key else data
+
+
+class GroupReduce:
+    """One FSDP group's manual programs (``plan``: the step's, ``gmesh``: the group's mesh)."""
+
+    def __init__(self, plan: Any, gmesh: jax.sharding.Mesh):
+        self.plan, self.gmesh = plan, gmesh
+        self.chunk = plan.chunk_axes
+        self.centry = partition.entry(self.chunk)
+        self.gentry = partition.entry(plan.group_axes)
+        self.sizes = tuple(gmesh.shape[a] for a in self.chunk)
+        self.size = math.prod(self.sizes)
+        # The params as the manual region takes them: each device's block over the chunk axes.
+        self.chunk_specs = tuple(partition.keep_axes(s, self.chunk) for s in plan.local_specs)
+        diff = plan.structure.diff
+        self.diff_specs = [s for s, d in zip(plan.local_specs, diff, strict=True) if d]
+        shapes, dtypes = plan.sums_flat.shapes, plan.sums_flat.dtypes
+        self.block_shapes = shapes[:-2]  # each grad's block on one device of the group
+        self.sharded = [i for i, s in enumerate(self.diff_specs) if self._names_chunk(s)]
+        self.whole = [i for i, s in enumerate(self.diff_specs) if not self._names_chunk(s)]
+        # The pieces' flat layouts: blocks of leaves sharded over the chunk axes; the rest
+        # (leaves whole over them, then loss_sum and weight), cut into one piece per device.
+        self.blocks_flat = FlatPlan.of(
+            [np.empty((0,), dtypes[i]) for i in self.sharded], [shapes[i] for i in self.sharded]
+        )
+        rest = [*self.whole, len(shapes) - 2, len(shapes) - 1]
+        self.rest_flat = FlatPlan.of(
+            [np.empty((0,), dtypes[i]) for i in rest], [shapes[i] for i in rest]
+        )
+
+    def _names_chunk(self, spec: P) -> bool:
+        return bool(partition.spec_axes(spec) & set(self.chunk))
+
+    def gathered_map(self, fn, arrays, rows, key, out_specs, rows_spec=None):
+        """``fn(params, rows, key)`` per device: params whole over the chunk axes, its rows.
+
+        ``arrays`` are the params' array leaves on the group mesh (each device its
+        block), ``rows`` split over the chunk axes (or as ``rows_spec`` says);
+        ``out_specs`` over the chunk axes only (the group's other axes stay XLA's,
+        inside the region).
+        """
+        chunk = self.chunk
+
+        def local(arrays, rows, key):
+            full = [_gather(x, s, chunk) for x, s in zip(arrays, self.chunk_specs, strict=True)]
+            return fn(full, rows, key)
+
+        return jax.shard_map(
+            local,
+            mesh=self.gmesh,
+            in_specs=(
+                list(self.chunk_specs),
+                P(self.centry) if rows_spec is None else rows_spec,
+                P(),
+            ),
+            out_specs=out_specs,
+            axis_names=set(chunk),
+            check_vma=False,
+        )(list(arrays), rows, key)
+
+    def chunk_sums(self, fn, arrays, rows, key):
+        """A chunk's packed sums (each device its blocks) and its aux (rows split).
+
+        ``fn(params, rows, key) -> (grads, loss_sum, weight, aux)`` computes one
+        device's rows with the params whole over the chunk axes.
+        """
+
+        def partial(full, rows, key):
+            grads, loss_sum, weight, aux = fn(full, rows, key)
+            return [g[None] for g in grads], loss_sum[None], weight[None], aux
+
+        each = P(self.centry)
+        grads, loss_sum, weight, aux = self.gathered_map(
+            partial, arrays, rows, key, ([each] * len(self.diff_specs), each, each, each)
+        )
+        return self.reduce_scatter(grads, loss_sum, weight), aux
+
+    def reduce_scatter(self, grads, loss_sum, weight) -> list:
+        """Every device's partial sums (stacked over the chunk axes) -> the packed sums,
+        each device its blocks, added in the canonical tree over the devices."""
+        # Per device: its partial grads, whole over the chunk axes, blocked over the others.
+        in_specs = [
+            P(self.centry, *(None if self._names_chunk(P(e)) else e for e in s))
+            for s in self.diff_specs
+        ]
+        count = len(self.plan.sums_flat.vectors)
+        return list(
+            jax.shard_map(
+                self._local_reduce,
+                mesh=self.gmesh,
+                in_specs=(in_specs, P(self.centry), P(self.centry)),
+                out_specs=(P(self.gentry),) * count,
+                check_vma=False,
+            )(list(grads), loss_sum, weight)
+        )
+
+    def _local_reduce(self, grads, loss_sum, weight):
+        parts = [g[0] for g in grads]
+        # Row d of each: what this device sends device d (its partial of d's blocks or piece).
+        sends = [
+            self.blocks_flat.pack(
+                [self._block(parts[i], self.diff_specs[i], self.block_shapes[i], d)
+                 for i in self.sharded]
+            )
+            for d in range(self.size)
+        ]  # fmt: skip
+        blocks = [jnp.stack([s[v] for s in sends]) for v in range(len(self.blocks_flat.vectors))]
+        rest = self.rest_flat.pack([*(parts[i] for i in self.whole), loss_sum[0], weight[0]])
+        lengths = [r.shape[0] for r in rest]
+        piece = [-(-n // self.size) for n in lengths]
+        rest = [
+            jnp.pad(r, (0, p * self.size - n)).reshape(self.size, p)
+            for r, p, n in zip(rest, piece, lengths, strict=True)
+        ]
+        mine_blocks, mine_rest = self._exchange(blocks, rest)
+        whole = [
+            jax.lax.all_gather(r, self.centry, tiled=True)[:n]
+            for r, n in zip(mine_rest, lengths, strict=True)
+        ]
+        *whole_grads, loss_total, weight_total = self.rest_flat.unpack(whole)
+        out: list[Any] = [None] * len(parts)
+        for i, x in zip(self.sharded, self.blocks_flat.unpack(mine_blocks), strict=True):
+            out[i] = x
+        for i, x in zip(self.whole, whole_grads, strict=True):
+            out[i] = x
+        return tuple(self.plan.sums_flat.pack([*out, loss_total, weight_total]))
+
+    def _exchange(self, blocks: list, rest: list) -> tuple[list, list]:
+        """Each (devices, k) array's row ``d`` to device ``d`` (one ``all_to_all`` per dtype),
+        the rows received added in the canonical tree: this device's ``k`` sums each."""
+        arrays = [*blocks, *rest]
+        by_dtype: dict[Any, list[int]] = {}
+        for i, a in enumerate(arrays):
+            if a.shape[1]:
+                by_dtype.setdefault(a.dtype, []).append(i)
+        out = [a[0] for a in arrays]  # the empty ones stay empty
+        for members in by_dtype.values():
+            joined = jnp.concatenate([arrays[i] for i in members], axis=1)
+            got = jax.lax.all_to_all(joined, self.centry, 0, 0, tiled=True)
+            total = fixed_sum(got, _add)
+            start = 0
+            for i in members:
+                k = arrays[i].shape[1]
+                out[i] = total[start : start + k]
+                start += k
+        return out[: len(blocks)], out[len(blocks) :]
+
+    def _block(self, x: jax.Array, spec: P, block: tuple[int, ...], d: int) -> jax.Array:
+        """Device ``d``'s block of ``x`` (whole over the chunk axes) along the dims ``spec``
+        shards over them; its other axes' coordinates are this device's."""
+        coords = dict(zip(self.chunk, np.unravel_index(d, self.sizes), strict=True))
+        for dim, entry in enumerate(spec):
+            names = partition.names(entry)
+            if not any(n in self.chunk for n in names):
+                continue
+            index: Any = 0
+            for n in names:  # row-major over the entry's axes, as the spec lays blocks out
+                here = int(coords[n]) if n in coords else jax.lax.axis_index(n)
+                index = index * self.gmesh.shape[n] + here
+            size = block[dim]
+            if isinstance(index, int):
+                x = jax.lax.slice_in_dim(x, index * size, (index + 1) * size, axis=dim)
+            else:
+                x = jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+        return x
