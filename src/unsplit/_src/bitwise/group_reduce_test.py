@@ -90,7 +90,7 @@ def test_the_fixed_sum_walks_the_canonical_tree():
 
 def test_an_fsdp_groups_chunk_program_has_no_float_reduction_across_its_devices(monkeypatch):
     mesh = mesh_of(2, 4)
-    out, step, args = run(mesh, "fsdp", 8)
+    _, step, args = run(mesh, "fsdp", 8)
     text = chunk_hlo(step, *args)
     for kind in ("all-reduce", "reduce-scatter"):
         assert f" {kind}(" not in text and f" {kind}-start(" not in text, kind
