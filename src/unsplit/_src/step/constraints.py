@@ -35,10 +35,12 @@ the group.
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import jax
 import jax.extend.linear_util as lu
+import numpy as np
 from jax.extend import core
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -128,12 +130,25 @@ def _user_trace(loss_fn, treedef, leaves, mask, user_mesh):
         args = jax.tree.unflatten(treedef, [next(it_a) if m else next(it_s) for m in mask])
         return loss_fn(*args)
 
-    try:  # a trace of unsplit's own: the state guard watches the call, not this trace
+    def trace():  # a trace of unsplit's own: the state guard watches the call, not this trace
         with audit_state.paused(), jax.sharding.use_abstract_mesh(user_mesh.abstract_mesh):
-            closed, shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
+            return jax.make_jaxpr(traced, return_shape=True)(*avals)
+
+    try:
+        closed, shape = _outside_manual(trace)
     except Exception:  # the loss runs as it is: its own error (if any) comes from there
         return None, None
     return closed, jax.tree.structure(shape)
+
+
+def _outside_manual(fn):
+    """``fn()``, in a thread of its own when called inside a ``shard_map`` region (an FSDP
+    group's chunk program is manual over the chunk axes): the user's mesh cannot be
+    entered there, and JAX's trace and mesh contexts are per thread."""
+    if AxisType.Manual not in tuple(jax.sharding.get_abstract_mesh().axis_types):
+        return fn()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
 
 
 def _user_aval(x: Any, user_mesh) -> jax.ShapeDtypeStruct:
@@ -256,8 +271,11 @@ class _Rewrite:
         thunk = params[field]
 
         def moved(*zeros):
-            with jax.sharding.use_abstract_mesh(self.user.abstract_mesh):
-                jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+            def rule():
+                with jax.sharding.use_abstract_mesh(self.user.abstract_mesh):
+                    return thunk.call_wrapped(*zeros)
+
+            jaxpr, consts, *rest = _outside_manual(rule)
             return (*self.retrace(jaxpr, consts), *rest)
 
         new[field] = lu.wrap_init(moved, debug_info=thunk.debug_info)
@@ -295,7 +313,9 @@ class _Rewrite:
         env: dict[Any, Any] = {}
 
         def read(v):
-            return v.val if isinstance(v, core.Literal) else env[v]
+            if isinstance(v, core.Literal):  # a typed literal keeps the user's mesh: a plain one
+                return np.asarray(v.val).view(np.ndarray) if isinstance(v.val, np.ndarray) else v.val
+            return env[v]
 
         for v, x in zip(jaxpr.constvars, consts, strict=True):
             env[v] = x
