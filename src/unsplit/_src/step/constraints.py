@@ -314,7 +314,9 @@ class _Rewrite:
 
         def read(v):
             if isinstance(v, core.Literal):  # a typed literal keeps the user's mesh: a plain one
-                return np.asarray(v.val).view(np.ndarray) if isinstance(v.val, np.ndarray) else v.val
+                return (
+                    np.asarray(v.val).view(np.ndarray) if isinstance(v.val, np.ndarray) else v.val
+                )
             return env[v]
 
         for v, x in zip(jaxpr.constvars, consts, strict=True):
