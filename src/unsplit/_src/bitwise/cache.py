@@ -50,7 +50,7 @@ def program_key(
         tag,
         *extra,
         programs.CANONICAL_DOTS,
-        group_reduce.FIXED_ORDER,
+        group_reduce.fixed_order(),
         spec.weighted,
         spec.has_aux,
         plan.structure,

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import jax
@@ -47,8 +48,16 @@ from unsplit._src.bitwise import reduce
 from unsplit._src.bitwise.flat import FlatPlan
 
 # FSDP groups add their devices' partial sums in unsplit's fixed order (True) or leave
-# them to XLA's reduce-scatter (False). A switch for measuring what it costs, not a setting.
+# them to XLA's reduce-scatter (False). A switch for measuring what it costs, not a setting:
+# benchmarks/fsdp_groups_bench.py (public API only) turns it off for the steps it builds
+# while BENCH_XLA_ENV is "1" (read when a step's programs are made; part of their cache key).
 FIXED_ORDER = True
+BENCH_XLA_ENV = "UNSPLIT_BENCH_XLA_GROUP_REDUCE"
+
+
+def fixed_order() -> bool:
+    """Whether FSDP groups made now add their devices' sums in unsplit's fixed order."""
+    return FIXED_ORDER and os.environ.get(BENCH_XLA_ENV) != "1"
 
 
 def fixed_sum(rows: jax.Array, add) -> jax.Array:
@@ -73,6 +82,8 @@ def _gather(x: jax.Array, spec: P, chunk: tuple[str, ...]) -> jax.Array:
     return jax.random.wrap_key_data(data, impl=impl) if key else data
 
 
+# Long: the two manual stages of one group (its rows, then the fixed-order reduce-scatter)
+# share the layout of its pieces (which leaves are sharded over the chunk axes, the flat plans).
 class GroupReduce:
     """One FSDP group's manual programs (``plan``: the step's, ``gmesh``: the group's mesh)."""
 

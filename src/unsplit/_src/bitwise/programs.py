@@ -108,7 +108,7 @@ class GroupIO:
             s for s, d in zip(plan.local_specs, plan.structure.diff, strict=True) if d
         ]
         self.reducer = None
-        if plan.chunk_axes and group_reduce.FIXED_ORDER:
+        if plan.chunk_axes and group_reduce.fixed_order():
             assert self.gmesh is not None  # the chunk axes are group axes
             self.reducer = group_reduce.GroupReduce(plan, self.gmesh)
 
