@@ -186,18 +186,23 @@ def reduce_rows(quick: bool) -> tuple[str, list[str], list[list[str]]]:
     default_sent = unsplit.testing.bytes_sent(default.lower(params, x, key).compile())
     header = ["in-group sum (data=2, fsdp=4)", "bytes sent per device, one chunk program",
               "per step (pack + chunks + combine)", "step time vs XLA's (median, min-max)",
-              "bit-identical to data=1"]  # fmt: skip
+              "per-device memory (XLA's analysis)", "bit-identical to data=1"]  # fmt: skip
     cells = [
         [
             name,
             f"{costs[name].chunk_bytes_sent / 2**20:.2f} MiB",
             f"{costs[name].bytes_sent_per_device / 2**20:.2f} MiB",
             common.ratio_cell(r),
+            f"{costs[name].memory_per_device / 2**20:.1f} MiB",
             "yes" if same[name] else "NO",
         ]
         for name, r in zip(runs, timed, strict=True)
     ]
-    cells.append(["default mode (one program)", "-", f"{default_sent / 2**20:.2f} MiB", "-", "-"])
+    default_memory = common.compiled_bytes(default.lower(params, x, key).compile())
+    cells.append(
+        ["default mode (one program)", "-", f"{default_sent / 2**20:.2f} MiB", "-",
+         f"{default_memory / 2**20:.1f} MiB", "-"]
+    )  # fmt: skip
     width, layers, batch = sizes(quick)
     title = (
         f"FSDP groups' in-group sum: {width * width * layers / 1e6:.1f}M-param MLP, batch {batch}, "
