@@ -227,12 +227,7 @@ def main() -> None:
     parser.add_argument("--reduce", action="store_true", help="only the in-group sum's rows")
     args = parser.parse_args()
     if args.reduce:
-        title, header, cells = reduce_rows(args.quick)
-        common.print_table(title, header, cells)
-        if common.should_write(args):
-            common.write_table(
-                DOC, REDUCE_MARKER, f"{title}:\n\n{common.markdown_table(header, cells)}"
-            )
+        reduce_table(args)
         return
     if args.child:
         run = train_child if args.train else child
@@ -271,6 +266,17 @@ def main() -> None:
     if common.should_write(args):
         body = f"{title}:\n\n{common.markdown_table(header, cells)}"
         common.write_table(DOC, MARKER, body)
+    reduce_table(args)
+
+
+def reduce_table(args) -> None:
+    """The in-group sum's rows (:func:`reduce_rows`), printed and written to the docs."""
+    title, header, cells = reduce_rows(args.quick)
+    common.print_table(title, header, cells)
+    if common.should_write(args):
+        common.write_table(
+            DOC, REDUCE_MARKER, f"{title}:\n\n{common.markdown_table(header, cells)}"
+        )
 
 
 def argparse_hidden():
