@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import unsplit
 from unsplit._src import frozen as frozen_lib
-from unsplit._src.bitwise import group_reduce
+from unsplit._src import test_util as testing
+from unsplit._src.bitwise import cache, group_reduce
 
 pytestmark = pytest.mark.xdist_group("bitwise")
 KEY = jax.random.key(5)
@@ -123,3 +124,28 @@ def test_every_kind_of_leaf_travels_and_the_step_is_close_to_default_mode():
         assert grads[k].sharding.spec == params[k].sharding.spec
     assert grads["step"] is None
     np.testing.assert_allclose(aux["out"], aux_d["out"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_coupled_steps_programs_have_no_float_reduction_across_an_fsdp_group():
+    # batch_loss with chunk_axes: the features, batch loss and pullback programs too.
+    mesh = mesh_of(2, 2)
+
+    def place(path, x):
+        name = path[-1].key
+        spec = P(None, "fsdp") if name == "w1" else P("fsdp", None) if name == "w2" else P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    params = jax.tree_util.tree_map_with_path(place, testing.clip_params())
+    step = unsplit.value_and_grad(
+        lambda *a: testing.clip_features(*a),  # its own programs in the cache
+        batch_loss=testing.clip_batch_loss, mesh=mesh, batch_axes=("data", "fsdp"),
+        bitwise=True, chunk_size=4, chunk_axes="fsdp",
+    )  # fmt: skip
+    loss, grads = step(params, testing.clip_batch(), testing.CLIP_KEY)
+    testing.clip_close(
+        (loss, grads), testing.clip_reference(params, testing.clip_batch(), testing.CLIP_KEY)
+    )
+    texts = [p.as_text() for p in cache.shared(step._engine.spec).values() if hasattr(p, "as_text")]
+    assert len(texts) >= 3  # features, loss, pullback
+    for text in texts:
+        assert " all-reduce" not in text and " reduce-scatter" not in text
