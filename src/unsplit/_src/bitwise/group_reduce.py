@@ -102,11 +102,8 @@ class GroupReduce:
         self.block_shapes = shapes[:-2]  # each grad's block on one device of the group
         self.sharded = [i for i, s in enumerate(self.diff_specs) if self._names_chunk(s)]
         self.whole = [i for i, s in enumerate(self.diff_specs) if not self._names_chunk(s)]
-        # The pieces' flat layouts: blocks of leaves sharded over the chunk axes; the rest
-        # (leaves whole over them, then loss_sum and weight), cut into one piece per device.
-        self.blocks_flat = FlatPlan.of(
-            [np.empty((0,), dtypes[i]) for i in self.sharded], [shapes[i] for i in self.sharded]
-        )
+        # The flat layout of the rest (leaves whole over the chunk axes, then loss_sum and
+        # weight), cut into one piece per device.
         rest = [*self.whole, len(shapes) - 2, len(shapes) - 1]
         self.rest_flat = FlatPlan.of(
             [np.empty((0,), dtypes[i]) for i in rest], [shapes[i] for i in rest]
@@ -180,54 +177,38 @@ class GroupReduce:
 
     def _local_reduce(self, grads, loss_sum, weight):
         parts = [g[0] for g in grads]
-        # Row d of each: what this device sends device d (its partial of d's blocks or piece).
-        sends = [
-            self.blocks_flat.pack(
-                [self._block(parts[i], self.diff_specs[i], self.block_shapes[i], d)
-                 for i in self.sharded]
-            )
-            for d in range(self.size)
-        ]  # fmt: skip
-        blocks = [jnp.stack([s[v] for s in sends]) for v in range(len(self.blocks_flat.vectors))]
-        rest = self.rest_flat.pack([*(parts[i] for i in self.whole), loss_sum[0], weight[0]])
-        lengths = [r.shape[0] for r in rest]
-        piece = [-(-n // self.size) for n in lengths]
-        rest = [
-            jnp.pad(r, (0, p * self.size - n)).reshape(self.size, p)
-            for r, p, n in zip(rest, piece, lengths, strict=True)
-        ]
-        mine_blocks, mine_rest = self._exchange(blocks, rest)
-        whole = [
-            jax.lax.all_gather(r, self.centry, tiled=True)[:n]
-            for r, n in zip(mine_rest, lengths, strict=True)
-        ]
-        *whole_grads, loss_total, weight_total = self.rest_flat.unpack(whole)
         out: list[Any] = [None] * len(parts)
-        for i, x in zip(self.sharded, self.blocks_flat.unpack(mine_blocks), strict=True):
-            out[i] = x
+        for i in self.sharded:  # one all_to_all per leaf: its pieces are views, no buffer copy
+            pieces = self._pieces(parts[i], self.diff_specs[i], self.block_shapes[i])
+            out[i] = fixed_sum(jax.lax.all_to_all(pieces, self.centry, 0, 0, tiled=True), _add)
+        # The leaves whole over the chunk axes, the loss and the weight: a flat vector per dtype
+        # cut into one piece per device, reduced like the blocks, then all-gathered (exact).
+        rest = self.rest_flat.pack([*(parts[i] for i in self.whole), loss_sum[0], weight[0]])
+        whole = []
+        for r in rest:
+            n = r.shape[0]
+            if not n:
+                whole.append(r)
+                continue
+            piece = -(-n // self.size)
+            rows = jnp.pad(r, (0, piece * self.size - n)).reshape(self.size, piece)
+            mine = fixed_sum(jax.lax.all_to_all(rows, self.centry, 0, 0, tiled=True), _add)
+            whole.append(jax.lax.all_gather(mine, self.centry, tiled=True)[:n])
+        *whole_grads, loss_total, weight_total = self.rest_flat.unpack(whole)
         for i, x in zip(self.whole, whole_grads, strict=True):
             out[i] = x
         return tuple(self.plan.sums_flat.pack([*out, loss_total, weight_total]))
 
-    def _exchange(self, blocks: list, rest: list) -> tuple[list, list]:
-        """Each (devices, k) array's row ``d`` to device ``d`` (one ``all_to_all`` per dtype),
-        the rows received added in the canonical tree: this device's ``k`` sums each."""
-        arrays = [*blocks, *rest]
-        by_dtype: dict[Any, list[int]] = {}
-        for i, a in enumerate(arrays):
-            if a.shape[1]:
-                by_dtype.setdefault(a.dtype, []).append(i)
-        out = [a[0] for a in arrays]  # the empty ones stay empty
-        for members in by_dtype.values():
-            joined = jnp.concatenate([arrays[i] for i in members], axis=1)
-            got = jax.lax.all_to_all(joined, self.centry, 0, 0, tiled=True)
-            total = fixed_sum(got, _add)
-            start = 0
-            for i in members:
-                k = arrays[i].shape[1]
-                out[i] = total[start : start + k]
-                start += k
-        return out[: len(blocks)], out[len(blocks) :]
+    def _pieces(self, x: jax.Array, spec: P, block: tuple[int, ...]) -> jax.Array:
+        """``x`` (whole over the chunk axes) as ``(devices, *block)``: row ``d`` device ``d``'s
+        block. One dimension split over the chunk axes in their order (the usual FSDP spec):
+        a reshape; otherwise each device's block sliced out."""
+        dims = [k for k, e in enumerate(spec) if self._names_chunk(P(e))]
+        if len(dims) == 1 and partition.names(spec[dims[0]]) == self.chunk:
+            k = dims[0]
+            split = (*x.shape[:k], self.size, x.shape[k] // self.size, *x.shape[k + 1 :])
+            return jnp.moveaxis(x.reshape(split), k, 0)
+        return jnp.stack([self._block(x, spec, block, d) for d in range(self.size)])
 
     def _block(self, x: jax.Array, spec: P, block: tuple[int, ...], d: int) -> jax.Array:
         """Device ``d``'s block of ``x`` (whole over the chunk axes) along the dims ``spec``
