@@ -149,3 +149,31 @@ def test_a_coupled_steps_programs_have_no_float_reduction_across_an_fsdp_group()
     assert len(texts) >= 3  # features, loss, pullback
     for text in texts:
         assert " all-reduce" not in text and " reduce-scatter" not in text
+
+
+def test_dimensions_split_over_the_chunk_and_a_model_axis_together():
+    # One dimension over ("fsdp", "model") or ("model", "fsdp"): each device's block is cut
+    # by its coordinates on both (the model one known at run time).
+    def run_on(data, bitwise=True):
+        devices = np.array(jax.devices()[: data * 4]).reshape(data, 2, 2)
+        mesh = Mesh(devices, ("data", "fsdp", "model"), axis_types=(AxisType.Auto,) * 3)
+        params, frozen, batch = inputs(mesh_of(1, 1))
+        specs = {"w1": P(("fsdp", "model")), "b": P("model"), "w2": P(None, ("model", "fsdp"))}
+        params = {
+            k: jax.device_put(np.asarray(v), NamedSharding(mesh, specs.get(k, P())))
+            for k, v in params.items()
+        }
+        extra = {"bitwise": True, "chunk_axes": "fsdp", "chunk_size": 8} if bitwise else {}
+        step = unsplit.value_and_grad(
+            loss_fn, weighted=True, has_aux=True, mesh=mesh, batch_axes=("data", "fsdp"), **extra
+        )
+        out = step(params, batch, KEY, frozen=jax.device_get(frozen))
+        for k in specs:
+            assert out[1][k].sharding.spec == params[k].sharding.spec
+        return out
+
+    one, two = run_on(1), run_on(2)
+    assert unsplit.testing.bits_equal(one, two)
+    default = run_on(2, bitwise=False)
+    for k in ("w1", "b", "w2"):
+        np.testing.assert_allclose(two[1][k], default[1][k], rtol=2e-5, atol=1e-6)
