@@ -23,11 +23,21 @@ each chunk together, params kept sharded) and in bitwise mode without it
 Goal (issue 20): bitwise with ``chunk_axes`` <= 1.5x default mode's per-device
 memory. Run: ``python benchmarks/fsdp_groups_bench.py`` (``--quick``: a smaller
 model, docs untouched).
+
+``--reduce`` (issue 27, item 2) compares, in one process and side by side, the FSDP
+groups' in-group sum as unsplit adds it (a fixed-order reduce-scatter: an
+``all_to_all`` of pieces, the canonical tree over the group's devices) with XLA's
+reduce-scatter (unsplit's old path, turned on for the steps it builds by the
+library's measuring switch ``UNSPLIT_BENCH_XLA_GROUP_REDUCE=1``): bytes each device
+sends per chunk program and per step (``unsplit.testing.bitwise_cost``, ring
+accounting), the step time ratio (alternating rounds, median and min-max) and
+whether each is bit-identical to the data=1 run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -43,6 +53,9 @@ from jax.sharding import PartitionSpec as P
 import unsplit
 
 MARKER = "fsdp_groups"
+REDUCE_MARKER = "fsdp_groups_reduce"
+XLA_ENV = "UNSPLIT_BENCH_XLA_GROUP_REDUCE"  # the library's switch for measuring its old path
+FSDP = "bitwise, chunk_axes='fsdp'"
 DOC = "benchmarks.md"
 AUTO = (AxisType.Auto, AxisType.Auto)
 MODES = ("default", "bitwise, chunk_axes='fsdp'", "bitwise, no chunk_axes")
@@ -131,6 +144,70 @@ def child(mode: str, quick: bool) -> dict:
     return {"compiled": compiled, "peak": peak, "identical": identical}
 
 
+def grouped_step(mesh: Mesh, xla: bool, quick: bool):
+    """The ``chunk_axes`` step, its programs made with XLA's in-group reduce or unsplit's,
+    after one call (which makes them; the switch is read then)."""
+    params, x = inputs(mesh, quick)
+    key = jax.random.key(2)
+    if xla:
+        os.environ[XLA_ENV] = "1"
+    try:
+        step = step_for(FSDP, mesh)
+        out = jax.block_until_ready(step(params, x, key))
+    finally:
+        os.environ.pop(XLA_ENV, None)
+    return step, out, (params, x, key)
+
+
+def reduce_rows(quick: bool) -> tuple[str, list[str], list[list[str]]]:
+    """The in-group reduce: unsplit's fixed order vs XLA's reduce-scatter, side by side."""
+    mesh = mesh_of(2)
+    names = {"unsplit's fixed order (now)": False, "XLA's reduce-scatter (before)": True}
+    runs = {name: grouped_step(mesh, xla, quick) for name, xla in names.items()}
+    costs = {
+        name: unsplit.testing.bitwise_cost(step, *args) for name, (step, _, args) in runs.items()
+    }
+    same = {
+        name: unsplit.testing.bits_equal(out, grouped_step(mesh_of(1), names[name], quick)[1])
+        for name, (_, out, _) in runs.items()
+    }
+    timed = common.compare(
+        {name: (lambda s=step, a=a: s(*a)) for name, (step, _, a) in runs.items()},
+        baseline="XLA's reduce-scatter (before)",
+        repeats=3 if quick else 5,
+        inner=1,
+        warmup=1,
+    )
+    default = step_for("default", mesh)
+    params, x, key = runs["unsplit's fixed order (now)"][2]
+    default_sent = unsplit.testing.bytes_sent(default.lower(params, x, key).compile())
+    header = ["in-group sum (data=2, fsdp=4)", "bytes sent per device, one chunk program",
+              "per step (pack + chunks + combine)", "step time vs XLA's (median, min-max)",
+              "per-device memory (XLA's analysis)", "bit-identical to data=1"]  # fmt: skip
+    cells = [
+        [
+            name,
+            f"{costs[name].chunk_bytes_sent / 2**20:.2f} MiB",
+            f"{costs[name].bytes_sent_per_device / 2**20:.2f} MiB",
+            common.ratio_cell(r),
+            f"{costs[name].memory_per_device / 2**20:.1f} MiB",
+            "yes" if same[name] else "NO",
+        ]
+        for name, r in zip(runs, timed, strict=True)
+    ]
+    default_memory = common.compiled_bytes(default.lower(params, x, key).compile())
+    cells.append(
+        ["default mode (one program)", "-", f"{default_sent / 2**20:.2f} MiB", "-",
+         f"{default_memory / 2**20:.1f} MiB", "-"]
+    )  # fmt: skip
+    width, layers, batch = sizes(quick)
+    title = (
+        f"FSDP groups' in-group sum: {width * width * layers / 1e6:.1f}M-param MLP, batch {batch}, "
+        f"chunks of 8 rows (2 per device), {costs[next(iter(runs))].chunk_programs} per group"
+    )
+    return title, header, cells
+
+
 def run_child(mode: str, quick: bool, train: bool = False) -> dict:
     argv = [sys.executable, __file__, "--child", mode] + (["--quick"] if quick else [])
     argv += ["--train"] if train else []
@@ -144,7 +221,11 @@ def main() -> None:
     parser = common.bench_parser(__doc__)
     parser.add_argument("--child", help=argparse_hidden())
     parser.add_argument("--train", action="store_true", help=argparse_hidden())
+    parser.add_argument("--reduce", action="store_true", help="only the in-group sum's rows")
     args = parser.parse_args()
+    if args.reduce:
+        reduce_table(args)
+        return
     if args.child:
         run = train_child if args.train else child
         print(json.dumps(run(args.child, args.quick)))
@@ -182,6 +263,17 @@ def main() -> None:
     if common.should_write(args):
         body = f"{title}:\n\n{common.markdown_table(header, cells)}"
         common.write_table(DOC, MARKER, body)
+    reduce_table(args)
+
+
+def reduce_table(args) -> None:
+    """The in-group sum's rows (:func:`reduce_rows`), printed and written to the docs."""
+    title, header, cells = reduce_rows(args.quick)
+    common.print_table(title, header, cells)
+    if common.should_write(args):
+        common.write_table(
+            DOC, REDUCE_MARKER, f"{title}:\n\n{common.markdown_table(header, cells)}"
+        )
 
 
 def argparse_hidden():

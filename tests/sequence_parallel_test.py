@@ -131,3 +131,37 @@ def test_auto_mesh_with_sharding_constraint_joins_the_group(spelling):
         with jax.set_mesh(mesh):
             out.append(jax.device_get(step(_params(), _batch(8), jax.random.key(0))))
     assert unsplit.testing.bits_equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("kind", ["explicit_reshard", "auto_constraint_naming_fsdp"])
+def test_fsdp_groups_with_a_seq_axis_keep_the_losss_annotations(kind):
+    """``chunk_axes="fsdp"`` with the loss's annotations over ``seq``: each FSDP group
+    (fsdp x seq) computes its devices' rows manual over ``fsdp`` (a spec naming ``fsdp``
+    is dropped there), ``seq`` stays XLA's; the bits hold across the data degree."""
+    out = []
+    for data in (1, 2):
+        types = jax.sharding.AxisType.Explicit if kind == "explicit_reshard" else None
+        mesh = jax.make_mesh(
+            (data, 2, 2), ("data", "fsdp", "seq"), devices=jax.devices()[: 4 * data],
+            **({} if types else {"axis_types": (jax.sharding.AxisType.Auto,) * 3}),
+        )  # fmt: skip
+        where = NamedSharding(mesh, P("seq", "fsdp"))
+
+        def constrained(p, example, key, where=where):
+            x = jax.lax.with_sharding_constraint(example["x"], where)
+            return jnp.mean(jnp.tanh(x @ p["q"]) ** 2), jnp.zeros(())  # an unbatched aux
+
+        loss = _loss if types else constrained
+        params = {
+            k: jax.device_put(v, NamedSharding(mesh, P("fsdp"))) for k, v in _params().items()
+        }
+        step = unsplit.value_and_grad(
+            loss, has_aux=True, mesh=mesh, bitwise=True, chunk_size=4,
+            batch_axes=("data", "fsdp"), chunk_axes="fsdp",
+        )  # fmt: skip
+        with jax.set_mesh(mesh):
+            out.append(jax.device_get(step(params, _batch(), jax.random.key(3))))
+    assert unsplit.testing.bits_equal(out[0], out[1])
+    default = _run(2, 2, bitwise=False) if types else None
+    if default is not None:
+        np.testing.assert_allclose(out[1][0][0], default[0], rtol=1e-5)

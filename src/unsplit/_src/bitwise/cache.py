@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from unsplit._src.bitwise import placement, programs, relocate
+from unsplit._src.bitwise import group_reduce, placement, programs, relocate
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import memory, sums
 
@@ -50,6 +50,7 @@ def program_key(
         tag,
         *extra,
         programs.CANONICAL_DOTS,
+        group_reduce.fixed_order(),
         spec.weighted,
         spec.has_aux,
         plan.structure,

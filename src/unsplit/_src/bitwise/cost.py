@@ -61,6 +61,8 @@ class BitwiseCost:
             (``2 (G - 1) / G`` of them; 1.0 with one group, which sends nothing).
         chunk_programs: chunk programs each group runs per step.
         chunk_collectives: collectives in a chunk program (model-parallel layouts).
+        chunk_bytes_sent: what one chunk program sends per device (groups of several
+            devices: the params' all-gather and the in-group reduce of the sums).
     """
 
     memory_per_device: int
@@ -72,6 +74,7 @@ class BitwiseCost:
     combine_vs_ring: float
     chunk_programs: int
     chunk_collectives: int
+    chunk_bytes_sent: float = 0.0
 
 
 def bitwise_cost(
@@ -122,7 +125,8 @@ def _cost(state: Any, params: Any) -> BitwiseCost:
     chunk_text = max((c.as_text() for c in chunks), key=traffic.bytes_sent)
     combine_bytes = traffic.bytes_sent(combine)
     sent = traffic.bytes_sent(state.pack.lower(params).compile())
-    sent += plan.per_group * traffic.bytes_sent(chunk_text) + combine_bytes
+    chunk_sent = traffic.bytes_sent(chunk_text)
+    sent += plan.per_group * chunk_sent + combine_bytes
     sums_total = sum(
         n * np.dtype(d).itemsize
         for n, d in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
@@ -139,6 +143,7 @@ def _cost(state: Any, params: Any) -> BitwiseCost:
         combine_vs_ring=combine_bytes / ring if ring else 1.0,
         chunk_programs=plan.per_group,
         chunk_collectives=max(len(_COLLECTIVE.findall(c.as_text())) for c in chunks),
+        chunk_bytes_sent=chunk_sent,
     )
 
 

@@ -29,7 +29,6 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import plan as plan_lib
 from unsplit._src.bitwise import programs
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import coupled, sums
@@ -39,19 +38,25 @@ def features_program(plan: Plan, spec: sums.LossSpec, group: int):
     """Pass 1: one chunk's features (no gradient), on group ``group``'s devices.
 
     Multi-device groups return them whole on every device of the group (FSDP
-    groups: each device its piece of the chunk's rows).
+    groups: each device its piece of the chunk's rows, computed with the params
+    gathered over the chunk axes: no float sum across them).
     """
     io = programs.GroupIO(plan, group)
-    spec = plan_lib.retargeted(spec, plan.layout, plan.group_axes, io.gmesh)  # its shardings
+    spec = io.retargeted(spec)  # its shardings, on the group's mesh
     structure = plan.structure
 
-    def run(vectors, chunk, hi, lo, key):
-        chunk, hi, lo = io.rows((chunk, hi, lo))
-        arrays = io.unpack(vectors)
+    def compute(arrays, rows, key):
+        chunk, hi, lo = rows
         ids = keys_lib.Ids64(hi=hi, lo=lo)
-        features = coupled.features_of(
+        return coupled.features_of(
             spec, structure, arrays, structure.diff_of(arrays), chunk, key, ids
         )
+
+    def run(vectors, chunk, hi, lo, key):
+        arrays = io.unpack(vectors)
+        if io.reducer is not None:
+            return io.reducer.gathered_map(compute, arrays, (chunk, hi, lo), key, P(io.centry))
+        features = compute(arrays, io.rows((chunk, hi, lo)), key)
         return io.rows(features) if plan.chunk_axes else io.replicated(features)
 
     return run
@@ -65,12 +70,18 @@ def loss_program(plan: Plan, spec: sums.LossSpec, group: int):
     io = programs.GroupIO(plan, group)
     structure = plan.structure
 
+    def compute(arrays, features, _):
+        diff = structure.diff_of(arrays)
+        return coupled.loss_and_feature_grads(spec, structure, arrays, diff, features)
+
     def run(vectors, features):
         arrays = io.unpack(vectors)
-        diff = structure.diff_of(arrays)
-        loss, aux, g_direct, g_features = coupled.loss_and_feature_grads(
-            spec, structure, arrays, diff, io.replicated(features)
-        )
+        if io.reducer is not None:  # every device computes it all (no sum across devices)
+            loss, aux, g_direct, g_features = io.reducer.gathered_map(
+                compute, arrays, features, None, P(), rows_spec=P()
+            )
+        else:
+            loss, aux, g_direct, g_features = compute(arrays, io.replicated(features), None)
         loss, aux, g_features = io.replicated((loss, aux, g_features))
         return loss, aux, _pack(plan, io, g_direct), g_features
 
@@ -78,19 +89,25 @@ def loss_program(plan: Plan, spec: sums.LossSpec, group: int):
 
 
 def pullback_program(plan: Plan, spec: sums.LossSpec, group: int):
-    """Pass 3: one chunk's param grads from its features' cotangents, packed like the sums."""
+    """Pass 3: one chunk's param grads from its features' cotangents, packed like the sums
+    (FSDP groups: their devices' grads added in a fixed order, as the sums' chunk program)."""
     io = programs.GroupIO(plan, group)
-    spec = plan_lib.retargeted(spec, plan.layout, plan.group_axes, io.gmesh)  # its shardings
+    spec = io.retargeted(spec)  # its shardings, on the group's mesh
     structure = plan.structure
 
-    def run(vectors, chunk, hi, lo, key, cotangent):
-        chunk, hi, lo, cotangent = io.rows((chunk, hi, lo, cotangent))
-        arrays = io.unpack(vectors)
+    def compute(arrays, rows, key):
+        chunk, hi, lo, cotangent = rows
         ids = keys_lib.Ids64(hi=hi, lo=lo)
         grads = coupled.pulled_back(
             spec, structure, arrays, structure.diff_of(arrays), chunk, key, ids, cotangent
         )
-        return _pack(plan, io, grads)
+        grads = [g.astype(sums.wide_float(g.dtype)) for g in grads]
+        loss_sum, weight = (jnp.zeros((), d) for d in plan.sums_flat.dtypes[-2:])
+        return grads, loss_sum, weight, None
+
+    def run(vectors, chunk, hi, lo, key, cotangent):
+        packed, _ = io.sums(compute, vectors, (chunk, hi, lo, cotangent), key)
+        return packed
 
     return run
 

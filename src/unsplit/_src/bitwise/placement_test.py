@@ -3,9 +3,10 @@
 * Any axis order (issue 27, item 3): the group axes first, last or in between give
   the bits of the same groups on the canonical ``(data, group)`` order, for FSDP
   groups (``chunk_axes``) and tensor-parallel groups.
-* Groups over processes (item 1): FSDP groups and tensor-parallel groups whose
-  devices belong to two processes give the bits of the same groups inside one
-  process (one launch runs every layout).
+* Groups over processes (item 1): FSDP groups (with a sequence axis too) and
+  tensor-parallel groups whose devices belong to two processes give the bits of the
+  same groups inside one process under ``jax.distributed`` and of a plain process
+  (item 2: FSDP groups' in-group sums are unsplit's; one launch runs every layout).
 """
 
 import functools
@@ -41,6 +42,8 @@ LAYOUTS = {
     "fsdp2_spare": ((2, 2, 2), ("data", "spare", "fsdp"), "fsdp"),
     "fsdp2_spare_middle": ((2, 2, 2), ("data", "fsdp", "spare"), "fsdp"),
     "fsdp8": ((1, 8), ("data", "fsdp"), "fsdp"),
+    # FSDP groups with a sequence axis: each example's tokens over "seq" (the loss's annotation)
+    "fsdp2_seq": ((2, 2, 2), ("data", "fsdp", "seq"), "fsdp+seq"),
 }
 
 
@@ -48,7 +51,7 @@ def _specs(mesh, layout):
     if layout == "tp":
         return testing.megatron_specs(PARAMS, "model")
     fsdp = testing.fsdp_specs(PARAMS, "fsdp", mesh.shape["fsdp"])
-    if layout == "fsdp":
+    if layout in ("fsdp", "fsdp+seq"):
         return fsdp
     tp = testing.megatron_specs(PARAMS, "model")  # both: FSDP where TP leaves a dim free
     return jax.tree.map(
@@ -68,7 +71,7 @@ def run_layout(name: str, order=None, train: bool = False) -> list[str]:
     batch_axes = ("data", "fsdp") if group else "data"
     params = testing.replicated(jax.tree.map(np.asarray, PARAMS), mesh, _specs(mesh, layout))
     step = unsplit.value_and_grad(
-        WEIGHTED, weighted=True, mesh=mesh, batch_axes=batch_axes, bitwise=True,
+        _seq_loss(mesh) if "seq" in layout else WEIGHTED, weighted=True, mesh=mesh, batch_axes=batch_axes, bitwise=True,
         chunk_axes="fsdp" if group else None,
     )  # fmt: skip
     rows, ids = BATCH, None
@@ -90,6 +93,17 @@ def run_layout(name: str, order=None, train: bool = False) -> list[str]:
     else:
         out = step(params, rows, KEY, ids=ids)
     return testing.to_hex([_whole(x) for x in jax.tree.leaves(out)])
+
+
+def _seq_loss(mesh):
+    """The test loss with each example's tokens sharded over ``seq`` (context parallelism)."""
+    tokens = NamedSharding(mesh, P("seq"))
+
+    def loss(params, example, key):
+        example = {**example, "inputs": jax.lax.with_sharding_constraint(example["inputs"], tokens)}
+        return WEIGHTED(params, example, key)
+
+    return loss
 
 
 def _whole(x):
@@ -151,6 +165,7 @@ def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
         "tp_spread": ("tp", True, False),  # tensor-parallel groups of 2 over both
         "train_fsdp": ("fsdp", False, True),  # train_step's grouped update
         "train_fsdp_spread": ("fsdp", True, True),
+        "fsdp_seq_spread": ("fsdp2_seq", True, False),  # FSDP x seq groups of 4 over both
     }
     results = launch.run_local_processes(
         "unsplit._src.bitwise.placement_test:worker_spread",
@@ -163,5 +178,9 @@ def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
     (got,) = results[:1]
     assert got["fsdp_spread"] == got["fsdp"]
     assert got["train_fsdp_spread"] == got["train_fsdp"]
-    # Tensor-parallel groups: the bits of this plain 8-device process too.
+    # The bits of this plain 8-device process too (no jax.distributed, no gloo): FSDP groups
+    # (their in-group sums are unsplit's, in a fixed order), with a sequence axis in the group,
+    # and tensor-parallel groups.
+    assert got["fsdp"] == got["fsdp_spread"] == one_process("fsdp")
+    assert got["fsdp_seq_spread"] == one_process("fsdp2_seq")
     assert got["tp_spread"] == one_process("tp")

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import canonical_dots, reduce
+from unsplit._src.bitwise import canonical_dots, group_reduce, reduce
 from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import sums
@@ -94,7 +94,9 @@ class GroupIO:
 
     One-device groups: plain unpacking and packing. Groups of several devices
     (model axes, chunk axes): per device, inside ``shard_map``, so each device
-    unpacks and packs only its local blocks (exact data movement).
+    unpacks and packs only its local blocks (exact data movement). FSDP groups
+    (chunk axes) compute manual over the chunk axes, their sums added in a fixed
+    order (:attr:`reducer`, :mod:`unsplit._src.bitwise.group_reduce`).
     """
 
     def __init__(self, plan: Plan, group: int):
@@ -105,6 +107,37 @@ class GroupIO:
         self.diff_specs = [
             s for s, d in zip(plan.local_specs, plan.structure.diff, strict=True) if d
         ]
+        self.reducer = None
+        if plan.chunk_axes and group_reduce.fixed_order():
+            assert self.gmesh is not None  # the chunk axes are group axes
+            self.reducer = group_reduce.GroupReduce(plan, self.gmesh)
+
+    def retargeted(self, spec: sums.LossSpec) -> sums.LossSpec:
+        """``spec`` whose loss's shardings are on the group's mesh, as its programs trace it.
+
+        Inside the manual region of an FSDP group the chunk axes are gone from the
+        specs (each device computes its own rows) and the context's mesh is the one
+        the constraints go to.
+        """
+        layout = self.plan.layout
+        if self.reducer is None:
+            return bitwise_plan.retargeted(spec, layout, self.plan.group_axes, self.gmesh)
+        others = tuple(a for a in self.plan.group_axes if a not in self.plan.chunk_axes)
+        return bitwise_plan.retargeted(spec, layout, others)
+
+    def sums(self, fn, vectors, rows, key):
+        """``fn(params, rows, key) -> (grads, loss_sum, weight, aux)`` of one chunk as packed
+        sums (each device its blocks) and its aux.
+
+        FSDP groups: ``fn`` runs per device on its rows with the params whole over the
+        chunk axes; the devices' sums are added in a fixed order. Otherwise ``fn`` runs
+        on the whole chunk (the group's one SPMD program).
+        """
+        arrays = self.unpack(vectors)
+        if self.reducer is not None:
+            return self.reducer.chunk_sums(fn, arrays, rows, key)
+        grads, loss_sum, weight, aux = fn(arrays, self.rows(rows), key)
+        return self.pack_sums(grads, loss_sum, weight), self.aux(aux)
 
     def unpack(self, vectors) -> list:
         """The params' array leaves (each device its local blocks) from the flat vectors."""
@@ -174,15 +207,18 @@ def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
     """
     io = GroupIO(plan, group)
     # The loss's shardings name the user's mesh: moved onto the group's (step/constraints).
-    spec = bitwise_plan.retargeted(spec, plan.layout, plan.group_axes, io.gmesh)
+    spec = io.retargeted(spec)
 
-    def run(vectors, chunk, hi, lo, key):
-        chunk, hi, lo = io.rows((chunk, hi, lo))
+    def compute(arrays, rows, key):
+        chunk, hi, lo = rows
         ids = keys_lib.Ids64(hi=hi, lo=lo)
         (loss_sum, weight, grads), aux = sums.example_sums(
-            spec, plan.structure, io.unpack(vectors), chunk, key, ids
+            spec, plan.structure, arrays, chunk, key, ids
         )
-        return io.pack_sums(grads, loss_sum, weight), io.aux(aux)
+        return grads, loss_sum, weight, aux
+
+    def run(vectors, chunk, hi, lo, key):
+        return io.sums(compute, vectors, (chunk, hi, lo), key)
 
     return run
 

@@ -274,7 +274,7 @@ def bits_settings() -> dict[str, str]:
     the JAX and jaxlib versions, the backend and device kind, and the XLA flags
     (``XLA_FLAGS``, less the simulated device count and dump options), and the
     collectives implementation (:func:`collectives`: the order of the float
-    reductions XLA runs across a group's devices). The CPU
+    reductions XLA runs across a group's model or sequence axes). The CPU
     thread count (CPUs in the affinity mask, simulated devices) is not one of
     them: a chunk program's dots run on a path that does not split by threads.
 
@@ -304,11 +304,12 @@ _NCCL_ORDER = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANN
 def collectives(platform: str) -> str:
     """What runs the collectives of XLA's programs here, which fixes their order of adds.
 
-    The float reductions XLA inserts inside a group of devices (an FSDP group's
-    gradient reduce-scatter, a tensor-parallel layout's all-reduces) add in the
-    order of the collectives' implementation: on CPU the in-process one in a
-    plain process, ``jax_cpu_collectives_implementation`` (gloo) under
-    ``jax.distributed`` (measured: other bits for FSDP groups, relative 1.6e-8);
+    The float reductions XLA inserts inside a group of devices (a tensor-parallel
+    or sequence-parallel layout's all-reduces; an FSDP group's sums are bitwise
+    mode's own, in a fixed order) add in the order of the collectives'
+    implementation: on CPU the in-process one in a plain process,
+    ``jax_cpu_collectives_implementation`` (gloo) under ``jax.distributed``
+    (measured, when FSDP groups' sums were XLA's reduce-scatter: relative 1.6e-8);
     on GPU NCCL, whose algorithm ``NCCL_ALGO``/``NCCL_PROTO`` and channels choose
     it (and its topology: see https://unsplit.readthedocs.io/en/latest/bitwise/).
 

@@ -35,10 +35,12 @@ the group.
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import jax
 import jax.extend.linear_util as lu
+import numpy as np
 from jax.extend import core
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -134,14 +136,27 @@ def _user_trace(loss_fn, treedef, leaves, mask, user_mesh):
         guard.check(returned=out)
         return out
 
-    try:  # the caller's guard watches the call, not this trace of unsplit's own
+    def trace():  # the caller's guard watches the call, not this trace of unsplit's own
         with audit_state.paused(), jax.sharding.use_abstract_mesh(user_mesh.abstract_mesh):
-            closed, shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
+            return jax.make_jaxpr(traced, return_shape=True)(*avals)
+
+    try:
+        closed, shape = _outside_manual(trace)
     except state_guard.DroppedStateError:
         raise
     except Exception:  # the loss runs as it is: its own error (if any) comes from there
         return None, None
     return closed, jax.tree.structure(shape)
+
+
+def _outside_manual(fn):
+    """``fn()``, in a thread of its own when called inside a ``shard_map`` region (an FSDP
+    group's chunk program is manual over the chunk axes): the user's mesh cannot be
+    entered there, and JAX's trace and mesh contexts are per thread."""
+    if AxisType.Manual not in tuple(jax.sharding.get_abstract_mesh().axis_types):
+        return fn()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
 
 
 def _user_aval(x: Any, user_mesh) -> jax.ShapeDtypeStruct:
@@ -264,8 +279,11 @@ class _Rewrite:
         thunk = params[field]
 
         def moved(*zeros):
-            with jax.sharding.use_abstract_mesh(self.user.abstract_mesh):
-                jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+            def rule():
+                with jax.sharding.use_abstract_mesh(self.user.abstract_mesh):
+                    return thunk.call_wrapped(*zeros)
+
+            jaxpr, consts, *rest = _outside_manual(rule)
             return (*self.retrace(jaxpr, consts), *rest)
 
         new[field] = lu.wrap_init(moved, debug_info=thunk.debug_info)
@@ -291,8 +309,9 @@ class _Rewrite:
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=weak)
 
     def eval(self, jaxpr: core.Jaxpr, consts, *args) -> list[Any]:
-        # Not under each equation's context: that holds the user's mesh, which this moves off.
-        return jaxpr_eval.evaluate(jaxpr, consts, args, self.equation)
+        # Not under each equation's context: that holds the user's mesh, which this moves off;
+        # a typed literal keeps that mesh too: read back as a plain value.
+        return jaxpr_eval.evaluate(jaxpr, consts, args, self.equation, literal=_plain_literal)
 
     def equation(self, eqn: core.JaxprEqn, invals: list[Any]) -> Any:
         """One equation's outputs, its shardings on the program's mesh."""
@@ -312,6 +331,11 @@ class _Rewrite:
             body = params["call_jaxpr"]
             return self.eval(body.jaxpr, body.consts, *invals)
         return jaxpr_eval.bind(eqn, invals, {k: self.param(v) for k, v in params.items()})
+
+
+def _plain_literal(value: Any) -> Any:
+    """A literal's value without the mesh its type was traced on (a plain NumPy array)."""
+    return np.asarray(value).view(np.ndarray) if isinstance(value, np.ndarray) else value
 
 
 def _without(entry, axes) -> Any:

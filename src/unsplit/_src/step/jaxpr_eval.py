@@ -33,6 +33,7 @@ def evaluate(
     rewrite: Rewrite,
     *,
     eqn_context: bool = False,
+    literal: Callable[[Any], Any] | None = None,
 ) -> list[Any]:
     """``jaxpr``'s outputs for ``args``, each equation's outputs being ``rewrite(eqn, invals)``.
 
@@ -45,6 +46,8 @@ def evaluate(
         eqn_context: run each rewrite under the context its equation was traced in
             (compute type, XLA metadata, the abstract mesh...). Off where the rewrite
             moves the equation onto another mesh than the one it was traced on.
+        literal: maps each literal's value before use (e.g. a typed literal that
+            carries the mesh it was traced on, read back as a plain array).
 
     Returns:
         The values of ``jaxpr``'s outputs.
@@ -62,7 +65,9 @@ def evaluate(
     env: dict[Any, Any] = {}
 
     def read(v):
-        return v.val if isinstance(v, core.Literal) else env[v]
+        if isinstance(v, core.Literal):
+            return v.val if literal is None else literal(v.val)
+        return env[v]
 
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env[v] = x

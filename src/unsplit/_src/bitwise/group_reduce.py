@@ -1,0 +1,230 @@
+"""Inside an FSDP group: every float sum across its devices in a fixed order of unsplit's.
+
+A chunk program of a group with ``chunk_axes`` splits the chunk's rows over the
+chunk axes' devices. Left to XLA (one SPMD program, params sharded over the
+group), the devices' partial gradients are added by the reduce-scatter XLA
+inserts, in the order of the collectives' implementation: a plain process and
+one under ``jax.distributed`` (gloo) gave bits 1.6e-8 apart. Here the program is
+manual over the chunk axes (``jax.shard_map`` with ``axis_names``: model and
+sequence axes stay XLA's, inside the model's own partitioning):
+
+1. :meth:`GroupReduce.gathered_map`: every device all-gathers the params over the
+   chunk axes (exact data movement) and computes its own rows (its partial sums
+   of the chunk, full size over the chunk axes);
+2. :meth:`GroupReduce.reduce_scatter`: each device cuts its partial sums into one
+   piece per chunk-axes device (the block of a leaf sharded over them; a piece of
+   the flat vector of the leaves that are not, and of the loss and weight), an
+   ``all_to_all`` brings every device's piece ``d`` to device ``d``, which adds the
+   ``G`` pieces in the canonical tree over the device index
+   (:func:`unsplit._src.bitwise.reduce.combine`); the unsharded leaves' sums are
+   then all-gathered (exact). Each device sends about ``(G - 1) / G`` of its
+   partial sums (twice that for leaves not sharded over the group): a ring
+   reduce-scatter's bytes, with the order fixed. Never a ``psum``.
+
+Elementwise adds are exactly rounded, so a group's sums depend on its size and
+its rows' split only: not on the collectives, the processes or the host layout.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from unsplit._src.bitwise import group_reduce
+    >>> add = lambda a, b: a + b
+    >>> float(group_reduce.fixed_sum(jnp.arange(4.0)[:, None], add)[0])  # ((0+1)+(2+3))
+    6.0
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from unsplit._src import partition
+from unsplit._src.bitwise import reduce
+from unsplit._src.bitwise.flat import FlatPlan
+
+# FSDP groups add their devices' partial sums in unsplit's fixed order (True) or leave
+# them to XLA's reduce-scatter (False). A switch for measuring what it costs, not a setting:
+# benchmarks/fsdp_groups_bench.py (public API only) turns it off for the steps it builds
+# while BENCH_XLA_ENV is "1" (read when a step's programs are made; part of their cache key).
+FIXED_ORDER = True
+BENCH_XLA_ENV = "UNSPLIT_BENCH_XLA_GROUP_REDUCE"
+
+
+def fixed_order() -> bool:
+    """Whether FSDP groups made now add their devices' sums in unsplit's fixed order."""
+    return FIXED_ORDER and os.environ.get(BENCH_XLA_ENV) != "1"
+
+
+def fixed_sum(rows: jax.Array, add) -> jax.Array:
+    """``rows[0] + rows[1] + ...`` in the canonical tree over the row index."""
+    n = rows.shape[0]
+    return reduce.combine({(s, 1): rows[s] for s in range(n)}, n, add)
+
+
+def _add(a, b):
+    return a + b
+
+
+def _gather(x: jax.Array, spec: P, chunk: tuple[str, ...]) -> jax.Array:
+    """``x`` (this device's block over the chunk axes) whole over them (exact)."""
+    key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    impl = jax.random.key_impl(x) if key else None
+    data = jax.random.key_data(x) if key else x
+    for dim, entry in enumerate(spec):
+        axes = tuple(n for n in partition.names(entry) if n in chunk)
+        if axes:
+            data = jax.lax.all_gather(data, partition.entry(axes), axis=dim, tiled=True)
+    return jax.random.wrap_key_data(data, impl=impl) if key else data
+
+
+# Long: the two manual stages of one group (its rows, then the fixed-order reduce-scatter)
+# share the layout of its pieces (which leaves are sharded over the chunk axes, the flat plans).
+class GroupReduce:
+    """One FSDP group's manual programs (``plan``: the step's, ``gmesh``: the group's mesh)."""
+
+    def __init__(self, plan: Any, gmesh: jax.sharding.Mesh):
+        self.plan, self.gmesh = plan, gmesh
+        self.chunk = plan.chunk_axes
+        self.centry = partition.entry(self.chunk)
+        self.gentry = partition.entry(plan.group_axes)
+        self.sizes = tuple(gmesh.shape[a] for a in self.chunk)
+        self.size = math.prod(self.sizes)
+        # The params as the manual region takes them: each device's block over the chunk axes.
+        self.chunk_specs = tuple(partition.keep_axes(s, self.chunk) for s in plan.local_specs)
+        diff = plan.structure.diff
+        self.diff_specs = [s for s, d in zip(plan.local_specs, diff, strict=True) if d]
+        shapes, dtypes = plan.sums_flat.shapes, plan.sums_flat.dtypes
+        self.block_shapes = shapes[:-2]  # each grad's block on one device of the group
+        self.sharded = [i for i, s in enumerate(self.diff_specs) if self._names_chunk(s)]
+        self.whole = [i for i, s in enumerate(self.diff_specs) if not self._names_chunk(s)]
+        # The flat layout of the rest (leaves whole over the chunk axes, then loss_sum and
+        # weight), cut into one piece per device.
+        rest = [*self.whole, len(shapes) - 2, len(shapes) - 1]
+        self.rest_flat = FlatPlan.of(
+            [np.empty((0,), dtypes[i]) for i in rest], [shapes[i] for i in rest]
+        )
+
+    def _names_chunk(self, spec: P) -> bool:
+        return bool(partition.spec_axes(spec) & set(self.chunk))
+
+    def gathered_map(self, fn, arrays, rows, key, out_specs, rows_spec=None):
+        """``fn(params, rows, key)`` per device: params whole over the chunk axes, its rows.
+
+        ``arrays`` are the params' array leaves on the group mesh (each device its
+        block), ``rows`` split over the chunk axes (or as ``rows_spec`` says);
+        ``out_specs`` over the chunk axes only (the group's other axes stay XLA's,
+        inside the region).
+        """
+        chunk = self.chunk
+
+        def local(arrays, rows, key):
+            full = [_gather(x, s, chunk) for x, s in zip(arrays, self.chunk_specs, strict=True)]
+            return fn(full, rows, key)
+
+        return jax.shard_map(
+            local,
+            mesh=self.gmesh,
+            in_specs=(
+                list(self.chunk_specs),
+                P(self.centry) if rows_spec is None else rows_spec,
+                P(),
+            ),
+            out_specs=out_specs,
+            axis_names=set(chunk),
+            check_vma=False,
+        )(list(arrays), rows, key)
+
+    def chunk_sums(self, fn, arrays, rows, key):
+        """A chunk's packed sums (each device its blocks) and its aux (rows split).
+
+        ``fn(params, rows, key) -> (grads, loss_sum, weight, aux)`` computes one
+        device's rows with the params whole over the chunk axes.
+        """
+
+        def partial(full, rows, key):
+            grads, loss_sum, weight, aux = fn(full, rows, key)
+            return [g[None] for g in grads], loss_sum[None], weight[None], aux
+
+        each = P(self.centry)
+        grads, loss_sum, weight, aux = self.gathered_map(
+            partial, arrays, rows, key, ([each] * len(self.diff_specs), each, each, each)
+        )
+        return self.reduce_scatter(grads, loss_sum, weight), aux
+
+    def reduce_scatter(self, grads, loss_sum, weight) -> list:
+        """Every device's partial sums (stacked over the chunk axes) -> the packed sums,
+        each device its blocks, added in the canonical tree over the devices."""
+        # Per device: its partial grads, whole over the chunk axes, blocked over the others.
+        in_specs = [
+            P(self.centry, *(None if self._names_chunk(P(e)) else e for e in s))
+            for s in self.diff_specs
+        ]
+        count = len(self.plan.sums_flat.vectors)
+        return list(
+            jax.shard_map(
+                self._local_reduce,
+                mesh=self.gmesh,
+                in_specs=(in_specs, P(self.centry), P(self.centry)),
+                out_specs=(P(self.gentry),) * count,
+                check_vma=False,
+            )(list(grads), loss_sum, weight)
+        )
+
+    def _local_reduce(self, grads, loss_sum, weight):
+        parts = [g[0] for g in grads]
+        out: list[Any] = [None] * len(parts)
+        for i in self.sharded:  # one all_to_all per leaf: its pieces are views, no buffer copy
+            pieces = self._pieces(parts[i], self.diff_specs[i], self.block_shapes[i])
+            out[i] = fixed_sum(jax.lax.all_to_all(pieces, self.centry, 0, 0, tiled=True), _add)
+        # The leaves whole over the chunk axes, the loss and the weight: a flat vector per dtype
+        # cut into one piece per device, reduced like the blocks, then all-gathered (exact).
+        rest = self.rest_flat.pack([*(parts[i] for i in self.whole), loss_sum[0], weight[0]])
+        whole = []
+        for r in rest:
+            n = r.shape[0]
+            if not n:
+                whole.append(r)
+                continue
+            piece = -(-n // self.size)
+            rows = jnp.pad(r, (0, piece * self.size - n)).reshape(self.size, piece)
+            mine = fixed_sum(jax.lax.all_to_all(rows, self.centry, 0, 0, tiled=True), _add)
+            whole.append(jax.lax.all_gather(mine, self.centry, tiled=True)[:n])
+        *whole_grads, loss_total, weight_total = self.rest_flat.unpack(whole)
+        for i, x in zip(self.whole, whole_grads, strict=True):
+            out[i] = x
+        return tuple(self.plan.sums_flat.pack([*out, loss_total, weight_total]))
+
+    def _pieces(self, x: jax.Array, spec: P, block: tuple[int, ...]) -> jax.Array:
+        """``x`` (whole over the chunk axes) as ``(devices, *block)``: row ``d`` device ``d``'s
+        block. One dimension split over the chunk axes in their order (the usual FSDP spec):
+        a reshape; otherwise each device's block sliced out."""
+        dims = [k for k, e in enumerate(spec) if self._names_chunk(P(e))]
+        if len(dims) == 1 and partition.names(spec[dims[0]]) == self.chunk:
+            k = dims[0]
+            split = (*x.shape[:k], self.size, x.shape[k] // self.size, *x.shape[k + 1 :])
+            return jnp.moveaxis(x.reshape(split), k, 0)
+        return jnp.stack([self._block(x, spec, block, d) for d in range(self.size)])
+
+    def _block(self, x: jax.Array, spec: P, block: tuple[int, ...], d: int) -> jax.Array:
+        """Device ``d``'s block of ``x`` (whole over the chunk axes) along the dims ``spec``
+        shards over them; its other axes' coordinates are this device's."""
+        coords = dict(zip(self.chunk, np.unravel_index(d, self.sizes), strict=True))
+        for dim, entry in enumerate(spec):
+            names = partition.names(entry)
+            if not any(n in self.chunk for n in names):
+                continue
+            index: Any = 0
+            for n in names:  # row-major over the entry's axes, as the spec lays blocks out
+                here = int(coords[n]) if n in coords else jax.lax.axis_index(n)
+                index = index * self.gmesh.shape[n] + here
+            size = block[dim]
+            if isinstance(index, int):
+                x = jax.lax.slice_in_dim(x, index * size, (index + 1) * size, axis=dim)
+            else:
+                x = jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+        return x
