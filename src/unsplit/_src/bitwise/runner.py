@@ -57,6 +57,13 @@ class Runner:
         self.executables: dict[int, Any] = {}
         gentry = partition.entry(plan.group_axes)
         self.slots_sharding = NamedSharding(plan.compute, P(plan.outer_entry, None, gentry))
+        self.fused = None
+        if tuple(plan.compute.devices.flat) == tuple(mesh.devices.flat):
+            combine, unpack = self.combine, self.unpack
+            self.fused = self._program(
+                ("fused", plan, owner.single),
+                lambda: jax.jit(lambda *slots: unpack(list(combine(*slots)))),
+            )
         self._placers: dict[int, placement.Placer] = {}
         self._default_words: dict | None = None
         self.total_sharding = NamedSharding(mesh, P(gentry))
@@ -101,8 +108,9 @@ class Runner:
                 aux_parts[g].append(aux)
                 yield sums
 
-        totals = self._total({g: chunk_sums(g) for g in self.local_groups})
-        loss, grads, weight = self.unpack(totals)
+        loss, grads, weight = self._finish(
+            self._slots({g: chunk_sums(g) for g in self.local_groups})
+        )
         aux = None
         if self.owner.spec.has_aux:
             aux = self._aux({g: self._concat(aux_parts[g], g) for g in self.local_groups})
@@ -184,7 +192,26 @@ class Runner:
         return out
 
     def _total(self, outs: dict) -> Any:
-        """The groups' per-chunk packed sums added in the canonical tree, on the user's mesh.
+        """The groups' per-chunk packed sums added in the canonical tree, on the user's mesh
+        (``outs``: as :meth:`_slots` takes them)."""
+        return self._combined(self._slots(outs))
+
+    def _finish(self, slots) -> Any:
+        """``(loss, grads, weight)`` from the combine's inputs: the combine and the unpack as
+        one program when the user's mesh is the compute mesh's devices in the same order
+        (one program launch on every device less per step), else one after the other."""
+        if self.fused is None:
+            return self.unpack(self._combined(slots))
+        return self.fused(*slots)
+
+    def _combined(self, slots) -> Any:
+        totals = self.combine(*slots)
+        # On the user's mesh: the same buffers when its devices are the compute mesh's (in
+        # any axis order), else copied to the devices of the axes no param uses.
+        return placement.rename_tree(totals, self.total_sharding)
+
+    def _slots(self, outs: dict) -> list:
+        """The combine's inputs: each group's blocks of the canonical tree, stacked.
 
         ``outs[g]`` yields group ``g``'s chunk sums in order; each is added as soon as its
         sibling in the tree is there, so a group holds O(log chunks) of them, not all.
@@ -211,10 +238,7 @@ class Runner:
             # programs are still queued hung under load (measured: 2 processes, 50 steps, a
             # busy machine). Wait for this process's chunk sums before the combine.
             jax.block_until_ready(slots)
-        totals = self.combine(*slots)
-        # On the user's mesh: the same buffers when its devices are the compute mesh's (in
-        # any axis order), else copied to the devices of the axes no param uses.
-        return placement.rename_tree(totals, self.total_sharding)
+        return slots
 
     def _compiled(self, fns: dict, args: dict, tag: str) -> dict:
         """The local groups' programs ``fns`` for ``args``, from the cache or compiled."""
