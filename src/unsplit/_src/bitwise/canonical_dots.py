@@ -41,9 +41,9 @@ from jax.extend.core import primitives
 
 # YNNPACK fusions for dots only. Not ELTWISE (which XLA's CPU default has): elementwise
 # ops give the same bits at any thread count in XLA's own loop fusions (measured: the test
-# transformer's bitwise grads at 1 and 16 threads), and with it, behind the barriers, the
-# test transformer's chunk program needed 2x the temp memory (7.7 vs 3.9 MiB) and ran about
-# 1.15x slower. Not REDUCE (not needed for the guarantee, not measured).
+# transformer's bitwise grads at 1 and 16 threads), and with it the test transformer's
+# chunk program needed 2x the temp memory (7.7 vs 3.9 MiB, with or without the rewrite) and
+# ran about 1.15x slower. Not REDUCE (not needed for the guarantee, not measured).
 CPU_OPTIONS: dict[str, str | bool] = {  # the type jax's compile() takes
     "xla_cpu_experimental_ynn_fusion_type": (
         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
