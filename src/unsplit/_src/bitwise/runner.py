@@ -60,9 +60,11 @@ class Runner:
         self.fused = None
         if tuple(plan.compute.devices.flat) == tuple(mesh.devices.flat):
             combine, unpack = self.combine, self.unpack
+            # The unpack's shardings, as given (inside another jit they only constrain).
+            outs = (loss_sharding, plan.structure.grads_tree(grad_shardings), loss_sharding)
             self.fused = self._program(
                 ("fused", plan, owner.single),
-                lambda: jax.jit(lambda *slots: unpack(list(combine(*slots)))),
+                lambda: jax.jit(lambda *slots: unpack(list(combine(*slots))), out_shardings=outs),
             )
         self._placers: dict[int, placement.Placer] = {}
         self._default_words: dict | None = None
