@@ -18,8 +18,8 @@ tested with ``T`` = 1 and 16 in fresh processes):
    reordered operands and on the output so XLA cannot fold the transposes
    back. It walks ``jit``, ``custom_jvp``/``custom_vjp``, ``remat``, ``scan``,
    ``cond``, ``while`` and ``shard_map`` bodies.
-2. :data:`CPU_OPTIONS` sends those dots (and elementwise ops) to the YNNPACK
-   library path, which does not split by ``T``.
+2. :data:`CPU_OPTIONS` sends those dots to the YNNPACK library path, which
+   does not split by ``T``.
 
 :func:`check_cpu_program` then refuses a compiled CPU program that still holds
 a real floating-point ``dot`` on Eigen, and warns on a ``convolution`` or a
@@ -41,11 +41,14 @@ from jax.extend.core import primitives
 
 from unsplit._src.step import jaxpr_eval
 
-# YNNPACK fusions for dots and elementwise ops; not REDUCE (its reductions are not
-# needed for the guarantee, and were not measured).
+# YNNPACK fusions for dots only. Not ELTWISE (which XLA's CPU default has): elementwise
+# ops give the same bits at any thread count in XLA's own loop fusions (measured: the test
+# transformer's bitwise grads at 1 and 16 threads), and with it the test transformer's
+# chunk program needed 2x the temp memory (7.7 vs 3.9 MiB, with or without the rewrite) and
+# ran about 1.15x slower. Not REDUCE (not needed for the guarantee, not measured).
 CPU_OPTIONS: dict[str, str | bool] = {  # the type jax's compile() takes
     "xla_cpu_experimental_ynn_fusion_type": (
-        "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+        "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
     )
 }
 
@@ -77,12 +80,18 @@ def _canonical_dot(lhs, rhs, *, dimension_numbers, **params):
     lfree = [d for d in range(lhs.ndim) if d not in (*lc, *lb)]
     rfree = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
     lhs = jax.lax.transpose(lhs, (*lb, *lfree, *lc))
-    rhs = jax.lax.transpose(rhs, (*rb, *rfree, *rc))
+    # YNNPACK takes the right operand as (batch, contracting, free) or (batch, free,
+    # contracting): one already in either layout is used as it is stored, so a weight
+    # `x @ w` reads is not copied transposed (which XLA then transposed back) every chunk.
+    rkept = (*rb, *rc, *rfree)
+    rorder = rkept if rkept == tuple(range(rhs.ndim)) else (*rb, *rfree, *rc)
+    rhs = jax.lax.transpose(rhs, rorder)
     lhs, rhs = jax.lax.optimization_barrier((lhs, rhs))
     nb, nc = len(lb), len(lc)
     batch = tuple(range(nb))
     contract_l = tuple(range(nb + len(lfree), nb + len(lfree) + nc))
-    contract_r = tuple(range(nb + len(rfree), nb + len(rfree) + nc))
+    first = nb if rorder == rkept else nb + len(rfree)
+    contract_r = tuple(range(first, first + nc))
     numbers = ((contract_l, contract_r), (batch, batch))
     out = primitives.dot_general_p.bind(lhs, rhs, dimension_numbers=numbers, **params)
     return jax.lax.optimization_barrier(out)

@@ -51,7 +51,8 @@ def test_rewrite_keeps_values_and_leaves_no_eigen_dot():
     reference = jax.jit(f)(_params(), x)
     lowered = jax.jit(canonical_dots.canonicalize(f)).lower(_params(), x)
     compiled = lowered.compile(compiler_options=canonical_dots.CPU_OPTIONS)
-    assert testing.rel_l2(compiled(_params(), x), reference) < 1e-6
+    # Rounding only: the elementwise ops run in XLA's loops, not YNNPACK's (as by default).
+    assert testing.rel_l2(compiled(_params(), x), reference) < 1e-5
     assert not any(canonical_dots.plain_ops(compiled.as_text()).values())
     canonical_dots.check_cpu_program(compiled)  # no error, no warning
     # The program as XLA compiles it by default runs its weight-gradient dots on Eigen.

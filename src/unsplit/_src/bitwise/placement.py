@@ -124,6 +124,13 @@ def everywhere(x, sharding):
     return jax.make_array_from_single_device_arrays(np.shape(x), sharding, copies)
 
 
+def shards_by_device(x: Any) -> dict:
+    """``x``'s addressable shards by device (``{}`` for a host array)."""
+    if not isinstance(x, jax.Array):
+        return {}
+    return {s.device: s for s in x.addressable_shards}
+
+
 class Placer:
     """Puts a group's inputs on its devices: its rows of the batch, the whole key, its params."""
 
@@ -155,14 +162,16 @@ class Placer:
         length = shards[0].shape[0] * self.size
         return jax.make_array_from_single_device_arrays((length,), sharding, shards)
 
-    def rows(self, x):
+    def rows(self, x, shards: dict | None = None):
+        """The group's rows of ``x`` on its devices (``shards``: ``x``'s
+        :func:`shards_by_device`, when the caller looked them up once for every group)."""
         stop = self.start + self.rows_n
         if isinstance(x, jax.Array):
             found = {}
-            for s in x.addressable_shards:
+            shards = shards if shards is not None else shards_by_device(x)
+            for s in (shards[d] for d in self.devices if d in shards):
                 lo = s.index[0].start or 0
-                here = s.device in self.starts and lo == self.starts[s.device]
-                if here and s.data.shape[0] == self.piece:
+                if lo == self.starts[s.device] and s.data.shape[0] == self.piece:
                     found[s.device] = s.data
             if all(d in found for d in self.devices):
                 pieces = [found[d] for d in self.devices]

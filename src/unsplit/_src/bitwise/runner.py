@@ -57,6 +57,17 @@ class Runner:
         self.executables: dict[int, Any] = {}
         gentry = partition.entry(plan.group_axes)
         self.slots_sharding = NamedSharding(plan.compute, P(plan.outer_entry, None, gentry))
+        self.fused = None
+        if tuple(plan.compute.devices.flat) == tuple(mesh.devices.flat):
+            combine, unpack = self.combine, self.unpack
+            # The unpack's shardings, as given (inside another jit they only constrain).
+            outs = (loss_sharding, plan.structure.grads_tree(grad_shardings), loss_sharding)
+            self.fused = self._program(
+                ("fused", plan, owner.single),
+                lambda: jax.jit(lambda *slots: unpack(list(combine(*slots))), out_shardings=outs),
+            )
+        self._placers: dict[int, placement.Placer] = {}
+        self._default_words: dict | None = None
         self.total_sharding = NamedSharding(mesh, P(gentry))
 
     def combine_slots(self) -> list[jax.ShapeDtypeStruct]:
@@ -101,8 +112,9 @@ class Runner:
                 aux_parts[g].append(aux)
                 yield sums
 
-        totals = self._total({g: chunk_sums(g) for g in self.local_groups})
-        loss, grads, weight = self.unpack(totals)
+        loss, grads, weight = self._finish(
+            self._slots({g: chunk_sums(g) for g in self.local_groups})
+        )
         aux = None
         if self.owner.spec.has_aux:
             aux = self._aux({g: self._concat(aux_parts[g], g) for g in self.local_groups})
@@ -116,28 +128,94 @@ class Runner:
         return programs.row_concat(NamedSharding(self.plan.group_mesh(g), P(entry)))(parts)
 
     def _inputs(self, params, batch, ids, key) -> dict:
-        """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices."""
+        """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices.
+
+        Host work per call is kept to a few calls per group (measured on a loaded 2-core
+        CPU, where it competes with the chunk programs for the cores): the key is copied to
+        every device at once, the ids' words of ``ids=None`` are placed once per plan, each
+        batch leaf's shards are looked up once, and a group of one chunk is not split.
+        """
         plan = self.plan
         vectors = self.pack(params)
         by_device = [{s.device: s.data for s in v.addressable_shards} for v in vectors]
-        rows = plan.per_group * plan.chunk
-        hi, lo = keys_lib.step_words(ids, plan.chunks * plan.chunk, on_host=True)
+        words = self._words(ids)
+        keys = self._keys(key)
+        leaves, tree = jax.tree.flatten(batch)
+        shards = [placement.shards_by_device(x) for x in leaves]
         inputs = {}
         for g in self.local_groups:
-            gmesh = plan.group_mesh(g)
-            devices = list(plan.group_devices(g).flat)
-            place = placement.Placer(gmesh, devices, g * rows, rows, plan.chunk_axes)
+            place = self._placer(g)
             group_vectors = [place.flat(v, by_device[i]) for i, v in enumerate(vectors)]
-            group_rows = (jax.tree.map(place.rows, batch), place.rows(hi), place.rows(lo))
-            if plan.chunk_axes:
+            group_batch = [place.rows(x, s) for x, s in zip(leaves, shards, strict=True)]
+            group_rows = (jax.tree.unflatten(tree, group_batch), *words[g])
+            if plan.per_group == 1:  # the group's rows are its one chunk (placed as a chunk's)
+                chunks = [group_rows]
+            elif plan.chunk_axes:
                 chunks = programs.chunk_splitter(plan.chunk, place.split)(group_rows)
             else:
                 chunks = programs.split_chunks(group_rows, plan.chunk)
-            inputs[g] = (group_vectors, chunks, place.whole(key))
+            inputs[g] = (group_vectors, chunks, keys[g])
         return inputs
 
+    def _placer(self, g: int) -> placement.Placer:
+        """Group ``g``'s :class:`~.placement.Placer` (a function of the plan: built once)."""
+        if g not in self._placers:
+            plan = self.plan
+            rows = plan.per_group * plan.chunk
+            devices = list(plan.group_devices(g).flat)
+            self._placers[g] = placement.Placer(
+                plan.group_mesh(g), devices, g * rows, rows, plan.chunk_axes
+            )
+        return self._placers[g]
+
+    def _words(self, ids) -> dict:
+        """Each local group's rows of the ids' (hi, lo) words, on its devices; those of
+        ``ids=None`` (the row indices) are the same every call: placed once."""
+        if ids is None and self._default_words is not None:
+            return self._default_words
+        hi, lo = keys_lib.step_words(ids, self.plan.chunks * self.plan.chunk, on_host=True)
+        words = {g: (self._placer(g).rows(hi), self._placer(g).rows(lo)) for g in self.local_groups}
+        if ids is None:
+            self._default_words = words
+        return words
+
+    def _keys(self, key) -> dict:
+        """The key whole on each local group's devices: copied to every device in one call
+        (a typed key as its data, wrapped again per device: no program runs)."""
+        typed = keys_lib.is_typed_key(key)
+        data = jax.random.key_data(key) if typed else key
+        if not all(self._placer(g).size == 1 for g in self.local_groups):
+            return {g: self._placer(g).whole(key) for g in self.local_groups}
+        whole = placement.replicate(data, NamedSharding(self.plan.compute, P()))
+        here = placement.shards_by_device(whole)
+        impl = jax.random.key_impl(key) if typed else None
+        out = {}
+        for g in self.local_groups:
+            x = here[self._placer(g).devices[0]].data
+            out[g] = jax.random.wrap_key_data(x, impl=impl) if typed else x
+        return out
+
     def _total(self, outs: dict) -> Any:
-        """The groups' per-chunk packed sums added in the canonical tree, on the user's mesh.
+        """The groups' per-chunk packed sums added in the canonical tree, on the user's mesh
+        (``outs``: as :meth:`_slots` takes them)."""
+        return self._combined(self._slots(outs))
+
+    def _finish(self, slots) -> Any:
+        """``(loss, grads, weight)`` from the combine's inputs: the combine and the unpack as
+        one program when the user's mesh is the compute mesh's devices in the same order
+        (one program launch on every device less per step), else one after the other."""
+        if self.fused is None:
+            return self.unpack(self._combined(slots))
+        return self.fused(*slots)
+
+    def _combined(self, slots) -> Any:
+        totals = self.combine(*slots)
+        # On the user's mesh: the same buffers when its devices are the compute mesh's (in
+        # any axis order), else copied to the devices of the axes no param uses.
+        return placement.rename_tree(totals, self.total_sharding)
+
+    def _slots(self, outs: dict) -> list:
+        """The combine's inputs: each group's blocks of the canonical tree, stacked.
 
         ``outs[g]`` yields group ``g``'s chunk sums in order; each is added as soon as its
         sibling in the tree is there, so a group holds O(log chunks) of them, not all.
@@ -164,10 +242,7 @@ class Runner:
             # programs are still queued hung under load (measured: 2 processes, 50 steps, a
             # busy machine). Wait for this process's chunk sums before the combine.
             jax.block_until_ready(slots)
-        totals = self.combine(*slots)
-        # On the user's mesh: the same buffers when its devices are the compute mesh's (in
-        # any axis order), else copied to the devices of the axes no param uses.
-        return placement.rename_tree(totals, self.total_sharding)
+        return slots
 
     def _compiled(self, fns: dict, args: dict, tag: str) -> dict:
         """The local groups' programs ``fns`` for ``args``, from the cache or compiled."""
