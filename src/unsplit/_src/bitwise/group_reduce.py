@@ -49,7 +49,7 @@ from unsplit._src.bitwise.flat import FlatPlan
 
 # FSDP groups add their devices' partial sums in unsplit's fixed order (True) or leave
 # them to XLA's reduce-scatter (False). A switch for measuring what it costs, not a setting:
-# benchmarks/fsdp_groups_bench.py (public API only) turns it off for the steps it builds
+# the FSDP-groups benchmark (public API only) turns it off for the steps it builds
 # while BENCH_XLA_ENV is "1" (read when a step's programs are made; part of their cache key).
 FIXED_ORDER = True
 BENCH_XLA_ENV = "UNSPLIT_BENCH_XLA_GROUP_REDUCE"

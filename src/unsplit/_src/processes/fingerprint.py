@@ -287,7 +287,7 @@ def bits_settings() -> dict[str, str]:
         f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_BITS_NEUTRAL_FLAGS)
     ]
     device = jax.local_devices()[0]
-    return {
+    settings = {
         "jax": jax.__version__,
         "jaxlib": jaxlib.version.__version__,
         "backend": device.platform,
@@ -295,6 +295,15 @@ def bits_settings() -> dict[str, str]:
         "xla flags": " ".join(sorted(flags)),
         "collectives": collectives(device.platform),
     }
+    # The benchmarks' switch back to XLA's reduce-scatter inside FSDP groups changes their bits:
+    # a process with it set never agrees with one without.
+    if os.environ.get(_BENCH_XLA_GROUP_REDUCE) == "1":
+        settings["fsdp group sums"] = f"XLA's ({_BENCH_XLA_GROUP_REDUCE}=1)"
+    return settings
+
+
+# bitwise/group_reduce.py's measuring switch (read there; named here to stay off its floor).
+_BENCH_XLA_GROUP_REDUCE = "UNSPLIT_BENCH_XLA_GROUP_REDUCE"
 
 
 # NCCL settings that choose a reduction's algorithm, hence the order of its adds.

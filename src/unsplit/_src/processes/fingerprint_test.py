@@ -23,9 +23,20 @@ def test_bits_settings_leave_out_the_thread_count(monkeypatch):
 
 def test_bits_settings_name_the_collectives_implementation(monkeypatch):
     # A plain process adds in XLA's in-process collectives; under jax.distributed the CPU
-    # collectives (gloo) add in another order: FSDP groups' bits differ (docs/bitwise.md).
+    # collectives (gloo) add in another order (tensor-parallel and sequence axes in a group).
     assert fingerprint.bits_settings()["collectives"] == "in-process"
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
     assert fingerprint.collectives("cpu") == "cpu gloo"
     monkeypatch.setenv("NCCL_ALGO", "Ring")
     assert fingerprint.collectives("gpu") == "nccl NCCL_ALGO=Ring"
+
+
+def test_the_benchmarks_xla_group_sums_switch_is_a_setting_that_must_match(monkeypatch):
+    # It turns FSDP groups' fixed-order sums back into XLA's reduce-scatter: other bits.
+    from unsplit._src.bitwise import group_reduce
+
+    plain = fingerprint.bits_settings()
+    monkeypatch.setenv(group_reduce.BENCH_XLA_ENV, "1")
+    assert not group_reduce.fixed_order()
+    switched = fingerprint.bits_settings()
+    assert switched != plain and "UNSPLIT_BENCH_XLA_GROUP_REDUCE=1" in switched["fsdp group sums"]
