@@ -25,7 +25,9 @@ TINY = ["--width", "16", "--layers", "1", "--heads", "2", "--length", "8", "--gl
 STEPS = 20
 TIMEOUT_S = 300
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+# One xdist worker for the module: its module-scoped runs (the uninterrupted references, the
+# saved checkpoint) are then made once, not once per worker that runs a test needing them.
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.xdist_group("elastic")]
 
 
 def env():
