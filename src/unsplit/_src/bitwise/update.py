@@ -23,6 +23,7 @@ the bits in an update you write yourself.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -32,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
+from unsplit._src.bitwise import fixed_order_update, group_reduce
 
 
 class CanonicalUpdate:
@@ -201,6 +203,7 @@ class GroupedUpdate:
         self.replicated = NamedSharding(mesh, P())
         self._programs: dict[Any, Any] = {}
         self._gathers: dict[Any, Callable] = {}
+        self.fallback: str | None = None  # why the update's group sums are XLA's, if they are
 
     def __call__(self, *trees: Any) -> tuple:
         trees = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, int | float) else x, trees)
@@ -283,8 +286,30 @@ class GroupedUpdate:
             tuple(jax.tree.leaves(local_specs, is_leaf=_is_spec)),
         )
         if key not in self._programs:
-            self._programs[key] = jax.jit(self.fn, out_shardings=out_shardings)
+            self._programs[key] = self._program(gmesh, args, local_specs, out_shardings)
         return self._programs[key](*args)
+
+    def _program(self, gmesh, args, local_specs, out_shardings) -> Callable:
+        """The group's program: manual, its float sums across the group in unsplit's order
+        (:mod:`~unsplit._src.bitwise.fixed_order_update`), or XLA's SPMD program where the
+        update holds an equation that rewrite does not run on split dimensions (warned)."""
+        if group_reduce.fixed_order():
+            outs = tuple(local_specs[: self.outputs])
+            try:
+                return fixed_order_update.program(self.fn, gmesh, args, local_specs, outs)
+            except fixed_order_update.Unsupported as e:
+                self.fallback = str(e)
+                warnings.warn(
+                    f"bitwise: the optimizer update has {e}, which unsplit does not run in a "
+                    "fixed order across an FSDP group; this update's sums across the group's "
+                    "devices are XLA's (their bits may differ between a plain process, "
+                    "jax.distributed and a group spread over hosts). Fix: keep that "
+                    "computation off the sharded dimensions (e.g. replicate that leaf), or "
+                    "accept it.",
+                    FixedOrderFallback,
+                    stacklevel=2,
+                )
+        return jax.jit(self.fn, out_shardings=out_shardings)
 
     def _resharded(self, out: Any, targets: Any) -> Any:
         """Each output with its input's sharding (a slice, exact); those already so as they are."""
@@ -306,6 +331,10 @@ class GroupedUpdate:
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
+
+
+class FixedOrderFallback(UserWarning):
+    """A grouped update whose sums across an FSDP group are left to XLA (see its message)."""
 
 
 def canonical_sum(tree: Any, axis: int = 0) -> Any:
