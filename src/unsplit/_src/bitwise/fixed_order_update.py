@@ -21,7 +21,8 @@ group axes:
   the device's partial, all-gathers the group's partials and adds them in the
   canonical tree over the device index
   (:func:`unsplit._src.bitwise.group_reduce.fixed_sum`); ``reduce_max`` and
-  ``reduce_min`` take ``pmax`` / ``pmin`` (exact in any order);
+  ``reduce_min`` (and ``reduce_and`` / ``reduce_or``) take ``pmax`` / ``pmin`` (exact in
+  any order);
 * ``jit``, ``custom_jvp`` and ``custom_vjp`` bodies are evaluated inline, ``cond``
   and ``while`` bodies through the same rewrite;
 * an equation whose operands are all replicated runs as it is.
@@ -129,6 +130,11 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
+def _as_int(collective, x, axes: set[str]) -> Any:
+    """A boolean (or integer) reduction across ``axes`` done on int32 values."""
+    return collective(x.astype(np.int32), tuple(sorted(axes))).astype(x.dtype)
+
+
 # Long: one rule per kind of equation, all over the same per-value dims.
 class _Rewrite:
     """Per-equation rules on a group mesh's blocks (see the module docstring)."""
@@ -167,6 +173,8 @@ class _Rewrite:
             "reduce_sum": self._reduce_sum,
             "reduce_max": self._reduce_max,
             "reduce_min": self._reduce_min,
+            "reduce_and": self._reduce_and,
+            "reduce_or": self._reduce_or,
             "dot_general": self._dot_general,
             "cond": self._cond,
             "while": self._while,
@@ -263,7 +271,8 @@ class _Rewrite:
     def _reduce(self, eqn, vals, across):
         (x,) = vals
         reduced = set(eqn.params["axes"])
-        out = jaxpr_eval.bind(eqn, [x.value], {**eqn.params, "out_sharding": None})
+        params = {**eqn.params, **({"out_sharding": None} if "out_sharding" in eqn.params else {})}
+        out = jaxpr_eval.bind(eqn, [x.value], params)
         dims = tuple(d for k, d in enumerate(x.dims) if k not in reduced)
         axes = {a for k in reduced for a in x.dims[k]}
         return V(across(out, axes) if axes else out, dims)
@@ -277,6 +286,12 @@ class _Rewrite:
     def _reduce_min(self, eqn, vals):
         return self._reduce(eqn, vals, lambda x, axes: jax.lax.pmin(x, tuple(sorted(axes))))
 
+    def _reduce_and(self, eqn, vals):  # exact: all devices' booleans, as 0/1, by pmin
+        return self._reduce(eqn, vals, lambda x, axes: _as_int(jax.lax.pmin, x, axes))
+
+    def _reduce_or(self, eqn, vals):
+        return self._reduce(eqn, vals, lambda x, axes: _as_int(jax.lax.pmax, x, axes))
+
     def _dot_general(self, eqn, vals):
         lhs, rhs = vals
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -285,6 +300,10 @@ class _Rewrite:
             if ldims[i] and rdims[j] and ldims[i] != rdims[j]:
                 raise Unsupported("dot_general of dimensions split over other axes")
             ldims[i] = rdims[j] = ldims[i] or rdims[j]
+        for dims in (ldims, rdims):  # a free dim and a contracted one split over one axis
+            named = [a for d in dims for a in d]
+            if len(named) != len(set(named)):
+                raise Unsupported("dot_general with two dimensions split over one axis")
         args = [self.to_dims(lhs, tuple(ldims)), self.to_dims(rhs, tuple(rdims))]
         out = jaxpr_eval.bind(eqn, args, {**eqn.params, "out_sharding": None})
         lfree = [d for k, d in enumerate(ldims) if k not in (*lc, *lb)]
@@ -292,7 +311,7 @@ class _Rewrite:
         dims = (*(ldims[i] for i in lb), *lfree, *rfree)
         named = [a for d in dims for a in d]
         if len(named) != len(set(named)):
-            raise Unsupported("dot_general whose output splits two dimensions over one axis")
+            raise Unsupported("dot_general whose output has two dimensions split over one axis")
         axes = {a for i in lc for a in ldims[i]}
         return V(self.fixed_sum(out, axes) if axes else out, dims)
 

@@ -117,9 +117,9 @@ def test_an_update_the_rewrite_cannot_run_falls_back_to_xla_with_a_warning():
 def group(fn, *arrays, specs):
     gmesh = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
     args = [jax.device_put(x, NamedSharding(gmesh, s)) for x, s in zip(arrays, specs, strict=True)]
-    return fixed_order_update.program(lambda *a: (fn(*a),), gmesh, args, specs, (specs[0],))(
-        *args
-    )[0]
+    return fixed_order_update.program(lambda *a: (fn(*a),), gmesh, args, specs, (specs[0],))(*args)[
+        0
+    ]
 
 
 X = jax.random.normal(KEYS[4], (16, 8))
@@ -131,6 +131,7 @@ X = jax.random.normal(KEYS[4], (16, 8))
         lambda x, y: x * jnp.vdot(x, y),  # ravel (a reshape keeping blocks) + a contraction
         lambda x, y: x @ (y.T @ x)[:, :8].T @ jnp.eye(8),  # dots contracting the split dim
         lambda x, y: x / jnp.max(jnp.abs(y)) + jnp.min(y, axis=0)[None],  # pmax / pmin
+        lambda x, y: jnp.where(jnp.all(y < 9) & jnp.any(y > 2), x, -x),  # reduce_and / _or
         lambda x, y: x.reshape(32, 4).reshape(16, 8) + jnp.mean(y.T, axis=1)[None, :],
         lambda x, y: jax.lax.cond(jnp.sum(y) > 0, lambda a: a * 2, jnp.zeros_like, x),
         lambda x, y: jax.lax.while_loop(lambda a: jnp.sum(a * a) > 1, lambda a: a / 2, x + y),
@@ -150,6 +151,8 @@ def test_rewritten_equations_give_the_whole_arrays_values(fn):
         (lambda x: x.reshape(128)[None] + 0, "reshape"),  # dim 1 split: its blocks mix
         (lambda x: jnp.sort(x, axis=0), "sort"),
         (lambda x: x[1:] + 0, "slice"),
+        (lambda x: x @ x.T, "two dimensions split over one axis"),  # both free dims split
+        (lambda x: x @ x.reshape(8, 16), "two dimensions split over one axis"),  # free+contracted
     ],
 )
 def test_equations_that_mix_a_split_dimension_are_refused(fn, what):
