@@ -111,11 +111,7 @@ def program(fn, gmesh: jax.sharding.Mesh, args: Sequence, in_specs: Sequence, ou
     def local(*leaves):
         vals = [V(x, dims_of(s, np.ndim(x))) for x, s in zip(leaves, ins, strict=True)]
         got = rewrite.run(closed.jaxpr, closed.consts, vals)
-        shapes_out = [o.aval.shape for o in closed.jaxpr.outvars]
-        return [
-            rewrite.to_dims(v, dims_of(s, len(n)), n)
-            for v, s, n in zip(got, outs, shapes_out, strict=True)
-        ]
+        return [rewrite.to_dims(v, dims_of(s, len(v.dims))) for v, s in zip(got, outs, strict=True)]
 
     mapped = jax.shard_map(
         local, mesh=gmesh, in_specs=tuple(ins), out_specs=list(outs), check_vma=False
@@ -147,7 +143,8 @@ class _Rewrite:
         return math.prod(self.gmesh.shape[a] for a in axes)
 
     def run(self, jaxpr: core.Jaxpr, consts: Sequence, vals: Sequence[V]) -> list[V]:
-        return jaxpr_eval.evaluate(jaxpr, [replicated(c) for c in consts], vals, self.equation)
+        out = jaxpr_eval.evaluate(jaxpr, [replicated(c) for c in consts], vals, self.equation)
+        return [v if isinstance(v, V) else replicated(v) for v in out]  # a literal output too
 
     def equation(self, eqn: core.JaxprEqn, invals: list) -> Any:
         vals = [v if isinstance(v, V) else replicated(v) for v in invals]
@@ -186,13 +183,11 @@ class _Rewrite:
     def whole_shape(self, v: V) -> tuple[int, ...]:
         return tuple(n * self.size(d) for n, d in zip(np.shape(v.value), v.dims, strict=True))
 
-    def to_dims(self, v: V, dims: Dims, shape: tuple[int, ...] | None = None) -> Any:
+    def to_dims(self, v: V, dims: Dims) -> Any:
         """``v``'s blocks split as ``dims`` says (exact: all-gathers and slices)."""
         if v.dims == dims:
             return v.value
-        if len(dims) != len(v.dims):
-            raise Unsupported(f"operands of ranks {len(v.dims)} and {len(dims)}")
-        shape = self.whole_shape(v) if shape is None else shape
+        shape = self.whole_shape(v)
         moved = list(zip(v.dims, dims, strict=True))
         gather = P(*(partition.entry(d) if d != t else None for d, t in moved))
         x = group_reduce.gather(v.value, gather, self.axes)
@@ -218,10 +213,8 @@ class _Rewrite:
 
         # An operand's size-1 dimension broadcasts (lax allows it): it stays whole.
         def fit(v: V) -> Any:
-            shape = self.whole_shape(v)
-            return self.to_dims(
-                v, tuple(t if n != 1 else () for t, n in zip(dims, shape, strict=True))
-            )
+            sizes = zip(dims, self.whole_shape(v), strict=True)
+            return self.to_dims(v, tuple(t if n != 1 else () for t, n in sizes))
 
         args = [fit(v) if v.dims else v.value for v in vals]
         out = jaxpr_eval.bind(eqn, args)
@@ -347,8 +340,8 @@ class _Rewrite:
 
         def run(*xs):
             got = self.run(jaxpr, consts, [V(x, v.dims) for x, v in zip(xs, ops, strict=True)])
-            seen.extend(v.dims if isinstance(v, V) else ((),) * np.ndim(v) for v in got)
-            return [v.value if isinstance(v, V) else v for v in got]
+            seen.extend(v.dims for v in got)
+            return [v.value for v in got]
 
         jax.make_jaxpr(run)(*[v.value for v in ops])
         return seen
@@ -372,8 +365,6 @@ class _Rewrite:
                 jaxpr, consts,
                 [*fixed, *(V(x, v.dims) for x, v in zip(xs, ops[len(fixed):], strict=True))],
             )  # fmt: skip
-            got = [v if isinstance(v, V) else replicated(v) for v in got]
-            shapes = [o.aval.shape for o in jaxpr.outvars]
-            return [self.to_dims(v, d, s) for v, d, s in zip(got, dims, shapes, strict=True)]
+            return [self.to_dims(v, d) for v, d in zip(got, dims, strict=True)]
 
         return fn
