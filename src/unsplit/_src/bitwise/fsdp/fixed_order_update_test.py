@@ -9,7 +9,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src.bitwise import fixed_order_update
+from unsplit._src.bitwise.fsdp import fixed_order_update
 from unsplit._src.bitwise.update import FixedOrderFallback, GroupedUpdate
 
 pytestmark = pytest.mark.usefixtures("standard_promotion")  # optax mixes floats and int32
