@@ -70,8 +70,9 @@ def _add(a, b):
     return a + b
 
 
-def _gather(x: jax.Array, spec: P, chunk: tuple[str, ...]) -> jax.Array:
-    """``x`` (this device's block over the chunk axes) whole over them (exact)."""
+def gather(x: jax.Array, spec: P, chunk: tuple[str, ...]) -> jax.Array:
+    """``x`` (this device's block over the ``chunk`` axes, inside a manual region) whole over
+    them (exact); ``spec`` says which dimensions are split over which axes."""
     key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
     impl = jax.random.key_impl(x) if key else None
     data = jax.random.key_data(x) if key else x
@@ -123,7 +124,7 @@ class GroupReduce:
         chunk = self.chunk
 
         def local(arrays, rows, key):
-            full = [_gather(x, s, chunk) for x, s in zip(arrays, self.chunk_specs, strict=True)]
+            full = [gather(x, s, chunk) for x, s in zip(arrays, self.chunk_specs, strict=True)]
             return fn(full, rows, key)
 
         return jax.shard_map(
@@ -214,17 +215,29 @@ class GroupReduce:
         """Device ``d``'s block of ``x`` (whole over the chunk axes) along the dims ``spec``
         shards over them; its other axes' coordinates are this device's."""
         coords = dict(zip(self.chunk, np.unravel_index(d, self.sizes), strict=True))
-        for dim, entry in enumerate(spec):
-            names = partition.names(entry)
-            if not any(n in self.chunk for n in names):
-                continue
-            index: Any = 0
-            for n in names:  # row-major over the entry's axes, as the spec lays blocks out
-                here = int(coords[n]) if n in coords else jax.lax.axis_index(n)
-                index = index * self.gmesh.shape[n] + here
-            size = block[dim]
-            if isinstance(index, int):
-                x = jax.lax.slice_in_dim(x, index * size, (index + 1) * size, axis=dim)
-            else:
-                x = jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
-        return x
+        return block_of(x, spec, block, self.gmesh.shape, lambda n: int(coords[n]), self.chunk)
+
+
+def block_of(x, spec: P, block: tuple[int, ...], sizes, coord, axes) -> jax.Array:
+    """One device's block of ``x`` (whole over ``axes``, inside a manual region) along the
+    dims ``spec`` splits over them (exact slicing).
+
+    ``sizes`` maps every axis to its size, ``block`` is the block's shape and
+    ``coord(name)`` the device's coordinate on axis ``name`` (a Python int, or
+    ``None`` for this device's own ``axis_index``).
+    """
+    for dim, entry in enumerate(spec):
+        names = partition.names(entry)
+        if not any(n in axes for n in names):
+            continue
+        index: Any = 0
+        for n in names:  # row-major over the entry's axes, as the spec lays blocks out
+            here = coord(n) if n in axes else None
+            here = jax.lax.axis_index(n) if here is None else here
+            index = index * sizes[n] + here
+        size = block[dim]
+        if isinstance(index, int):
+            x = jax.lax.slice_in_dim(x, index * size, (index + 1) * size, axis=dim)
+        else:
+            x = jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim)
+    return x

@@ -6,7 +6,8 @@
 * Groups over processes (item 1): FSDP groups (with a sequence axis too) and
   tensor-parallel groups whose devices belong to two processes give the bits of the
   same groups inside one process under ``jax.distributed`` and of a plain process
-  (item 2: FSDP groups' in-group sums are unsplit's; one launch runs every layout).
+  (item 2: FSDP groups' in-group sums are unsplit's, the train step's optimizer update's
+  too, with a global-norm clip; one launch runs every layout).
 """
 
 import functools
@@ -61,7 +62,7 @@ def _specs(mesh, layout):
 
 def run_layout(name: str, order=None, train: bool = False) -> list[str]:
     """The bitwise step's (loss, grads) on layout ``name`` as hex, in any process count
-    (``train``: the params and optimizer state after one ``train_step`` instead)."""
+    (``train``: the params and optimizer state after 2 ``train_step`` calls instead)."""
     shape, names, layout = LAYOUTS[name]
     devices = jax.devices()
     if order is not None:
@@ -87,9 +88,14 @@ def run_layout(name: str, order=None, train: bool = False) -> list[str]:
     if train:
         import optax
 
-        optimizer = optax.adam(1e-3)
+        # A clip that clips (the grads' norm is above 0.1): a global norm summed across the
+        # FSDP group (unsplit's fixed order), then AdamW; 2 steps.
+        optimizer = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))
         run = unsplit.train_step(step, optimizer)
-        _, *out = run(params, optimizer.init(params), rows, KEY, ids=ids)
+        out = [params, optimizer.init(params)]
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes floats and int32
+            for i in range(2):
+                _, *out = run(*out, rows, jax.random.fold_in(KEY, i), ids=ids)
     else:
         out = step(params, rows, KEY, ids=ids)
     return testing.to_hex([_whole(x) for x in jax.tree.leaves(out)])
@@ -162,7 +168,9 @@ def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
     cases = {
         "fsdp_spread": ("fsdp", True, False),  # each group's devices in both processes
         "tp_spread": ("tp", True, False),  # tensor-parallel groups of 2 over both
-        "train_fsdp": ("fsdp", False, True),  # train_step's grouped update
+        # train_step's grouped update: clip_by_global_norm + AdamW, its global norm summed
+        # across each FSDP group in unsplit's order
+        "train_fsdp": ("fsdp", False, True),
         "train_fsdp_spread": ("fsdp", True, True),
         "fsdp_seq_spread": ("fsdp2_seq", True, False),  # FSDP x seq groups of 4 over both
     }
@@ -180,5 +188,6 @@ def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
     # (their in-group sums are unsplit's, in a fixed order), with a sequence axis in the group,
     # and tensor-parallel groups.
     assert got["fsdp_spread"] == one_process("fsdp")
+    assert got["train_fsdp_spread"] == run_layout("fsdp", train=True)
     assert got["fsdp_seq_spread"] == one_process("fsdp2_seq")
     assert got["tp_spread"] == one_process("tp")

@@ -23,6 +23,7 @@ the bits in an update you write yourself.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -32,6 +33,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
+from unsplit._src.bitwise import group_reduce
+from unsplit._src.bitwise.fsdp import fixed_order_update
 
 
 class CanonicalUpdate:
@@ -158,6 +161,8 @@ def _bounds(index: tuple, shape: tuple) -> Any:
     return None if all(b == (0, n) for b, n in zip(bounds, shape, strict=True)) else bounds
 
 
+# Long: one update per group end to end (leaves gathered to the group axes, each group's
+# program, the outputs put together and resharded): every step reads the groups and specs.
 class GroupedUpdate:
     """``fn(*trees)`` run once per FSDP group, each leaf sharded over the group's axes only.
 
@@ -165,10 +170,13 @@ class GroupedUpdate:
     group (the chunk axes' sizes and the leaves' specs over them), not by the
     other batch axes, as the step's are. Every leaf keeps only the ``axes`` of
     its sharding (gathered over the others first, exactly, if it had any); each
-    group of devices along ``axes`` runs ``fn`` as one SPMD program over its own
-    shards (the same program for every group, compiled for each group's
-    devices); the outputs are put together on the mesh and given the sharding
-    of the input leaf each one replaces. Memory per device: the leaves' shards
+    group of devices along ``axes`` runs ``fn`` on its own shards, manual over
+    the group with every float sum across its devices in unsplit's fixed order
+    (:mod:`~unsplit._src.bitwise.fsdp.fixed_order_update`; the same program for
+    every group, compiled for each group's devices; an update that rewrite cannot
+    run is XLA's SPMD program instead, with a :class:`FixedOrderFallback` warning
+    and the reason in :attr:`fallback`); the outputs are put together on the mesh
+    and given the sharding of the input leaf each one replaces. Memory per device: the leaves' shards
     over the group, as default mode's FSDP update holds them (not the whole
     arrays on one device, as :class:`CanonicalUpdate` does).
 
@@ -201,6 +209,7 @@ class GroupedUpdate:
         self.replicated = NamedSharding(mesh, P())
         self._programs: dict[Any, Any] = {}
         self._gathers: dict[Any, Callable] = {}
+        self.fallback: str | None = None  # why the update's group sums are XLA's, if they are
 
     def __call__(self, *trees: Any) -> tuple:
         trees = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, int | float) else x, trees)
@@ -263,7 +272,7 @@ class GroupedUpdate:
         )
 
     def _run(self, gmesh: jax.sharding.Mesh, trees: tuple, local_specs: tuple) -> Any:
-        """``fn`` on group ``gmesh``'s shards: one SPMD program over the group's devices."""
+        """``fn`` on group ``gmesh``'s shards: one program over the group's devices."""
 
         def on_group(x, spec):
             by_device = {s.device: s.data for s in x.addressable_shards}
@@ -283,7 +292,11 @@ class GroupedUpdate:
             tuple(jax.tree.leaves(local_specs, is_leaf=_is_spec)),
         )
         if key not in self._programs:
-            self._programs[key] = jax.jit(self.fn, out_shardings=out_shardings)
+            outs = tuple(local_specs[: self.outputs])
+            self._programs[key], fallback = _group_program(
+                self.fn, gmesh, args, local_specs, outs, out_shardings
+            )
+            self.fallback = self.fallback or fallback
         return self._programs[key](*args)
 
     def _resharded(self, out: Any, targets: Any) -> Any:
@@ -306,6 +319,32 @@ class GroupedUpdate:
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
+
+
+class FixedOrderFallback(UserWarning):
+    """A grouped update whose sums across an FSDP group are left to XLA (see its message)."""
+
+
+def _group_program(fn, gmesh, args, in_specs, out_specs, out_shardings) -> tuple[Callable, Any]:
+    """A group's update program and why it falls back (None where it does not): manual, its
+    float sums across the group in unsplit's order
+    (:mod:`~unsplit._src.bitwise.fsdp.fixed_order_update`), or XLA's SPMD program where the
+    update holds an equation that rewrite does not run on split dimensions (warned)."""
+    if not group_reduce.fixed_order():  # the benchmarks' measuring switch
+        return jax.jit(fn, out_shardings=out_shardings), None
+    try:
+        return fixed_order_update.program(fn, gmesh, args, in_specs, out_specs), None
+    except fixed_order_update.Unsupported as e:
+        warnings.warn(
+            f"bitwise: the optimizer update has {e}, which unsplit does not run in a fixed "
+            "order across an FSDP group; this update's sums across the group's devices are "
+            "XLA's (their bits may differ between a plain process, jax.distributed and a group "
+            "spread over hosts). Fix: keep that computation off the sharded dimensions (e.g. "
+            "replicate that leaf), or accept it.",
+            FixedOrderFallback,
+            stacklevel=4,
+        )
+        return jax.jit(fn, out_shardings=out_shardings), str(e)
 
 
 def canonical_sum(tree: Any, axis: int = 0) -> Any:

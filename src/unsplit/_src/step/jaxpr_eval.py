@@ -1,10 +1,11 @@
 """A traced function run again from its jaxpr, equation by equation, some equations rewritten.
 
-Two places trace a function and run its jaxpr again with changes: the loss's
-sharding annotations moved onto the program's mesh (:mod:`~unsplit._src.step.constraints`)
-and bitwise mode's CPU dots laid out canonically
-(:mod:`~unsplit._src.bitwise.canonical_dots`). Both are :func:`evaluate` with a
-rewrite of their own, called once per equation; an equation the rewrite leaves
+Three places trace a function and run its jaxpr again with changes: the loss's
+sharding annotations moved onto the program's mesh (:mod:`~unsplit._src.step.constraints`),
+bitwise mode's CPU dots laid out canonically
+(:mod:`~unsplit._src.bitwise.canonical_dots`) and an FSDP group's optimizer update run on
+its blocks with its sums in a fixed order (:mod:`~unsplit._src.bitwise.fsdp.fixed_order_update`).
+Each is :func:`evaluate` with a rewrite of its own, called once per equation; an equation the rewrite leaves
 alone is :func:`bind` again, its nested jaxprs (a ``scan``'s body, a ``cond``'s
 branches, a ``remat``'s) traced again through the same rewrite by
 :func:`nested` and :func:`retrace`.

@@ -1,0 +1,168 @@
+"""A grouped optimizer update whose sums across an FSDP group are unsplit's, in a fixed order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import unsplit
+from unsplit._src.bitwise.fsdp import fixed_order_update
+from unsplit._src.bitwise.update import FixedOrderFallback, GroupedUpdate
+
+pytestmark = pytest.mark.usefixtures("standard_promotion")  # optax mixes floats and int32
+
+KEYS = jax.random.split(jax.random.key(3), 6)
+PARAMS = {
+    "w1": jax.random.normal(KEYS[0], (16, 32)),
+    "b": jax.random.normal(KEYS[1], (32,)),
+    "w2": jax.random.normal(KEYS[2], (32, 8)),
+}
+GRADS = {k: jax.random.normal(KEYS[3 + i], v.shape) for i, (k, v) in enumerate(PARAMS.items())}
+OPTIMIZERS = {
+    "clip+adamw": lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),
+    "lamb": lambda: optax.lamb(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),  # factored
+}
+
+
+def mesh_of(data):
+    devices = np.array(jax.devices()[: data * 4]).reshape(data, 4)
+    return Mesh(devices, ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+
+
+def fsdp(tree, mesh):
+    """Every leaf split over ``fsdp`` along its first dimension where it divides (as the
+    optimizer state of FSDP params is), others replicated."""
+
+    def put(x):
+        split = np.ndim(x) and np.shape(x)[0] % mesh.shape["fsdp"] == 0
+        return jax.device_put(x, NamedSharding(mesh, P("fsdp") if split else P()))
+
+    return jax.tree.map(put, tree)
+
+
+def updater(tx, traces=None):
+    def update(params, opt_state, grads):
+        if traces is not None:  # a trace of the update (the first call's, for each group)
+            traces.append(1)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
+
+
+def run(name, data):
+    mesh = mesh_of(data)
+    tx = OPTIMIZERS[name]()
+    update = GroupedUpdate(updater(tx), mesh, outputs=2, axes=("fsdp",))
+    params, opt_state = update(fsdp(PARAMS, mesh), fsdp(tx.init(PARAMS), mesh), fsdp(GRADS, mesh))
+    assert update.fallback is None
+    return update, jax.device_get((params, opt_state))
+
+
+def test_the_update_holds_no_all_reduce_and_xlas_does():
+    update, _ = run("clip+adamw", 2)
+    gmesh = update.groups[0]  # the first group's program (each group's is the same)
+    program = next(iter(update._programs.values()))
+    tx = OPTIMIZERS["clip+adamw"]()
+    args = fsdp((PARAMS, tx.init(PARAMS), GRADS), gmesh)
+    hlo = program.lower(*args).compile().as_text()
+    assert "all-gather" in hlo
+    assert "all-reduce" not in hlo and "reduce-scatter" not in hlo
+    # Negative control: the same update as XLA partitions it adds the norm's partials by an
+    # all-reduce (in the collectives' order).
+    xla = jax.jit(updater(tx), out_shardings=jax.tree.map(lambda x: x.sharding, args[:2]))
+    assert "all-reduce" in xla.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_update_is_optax_on_whole_arrays_with_the_same_bits_on_every_data_degree(name):
+    tx = OPTIMIZERS[name]()
+    expected = jax.jit(updater(tx))(PARAMS, tx.init(PARAMS), GRADS)
+    _, two = run(name, 2)
+    for got, want in zip(jax.tree.leaves(two), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert unsplit.testing.bits_equal(run(name, 1)[1], two)  # the same group size: same bits
+    if name == "clip+adamw":  # the clip clipped: the norm of the grads is far above 0.1
+        assert float(optax.tree.norm(GRADS)) > 10
+
+
+def test_a_second_call_runs_the_compiled_programs(monkeypatch):
+    traces, evaluations = [], []
+    run_jaxpr = fixed_order_update._Rewrite.run
+
+    def counted(self, *args):
+        evaluations.append(1)
+        return run_jaxpr(self, *args)
+
+    monkeypatch.setattr(fixed_order_update._Rewrite, "run", counted)
+    mesh, tx = mesh_of(2), OPTIMIZERS["clip+adamw"]()
+    update = GroupedUpdate(updater(tx, traces), mesh, outputs=2, axes=("fsdp",))
+    state = fsdp(PARAMS, mesh), fsdp(tx.init(PARAMS), mesh)
+    once = update(*state, fsdp(GRADS, mesh))
+    counts = len(traces), len(evaluations)
+    assert counts[0] == len(update.groups) and counts[1] >= counts[0]  # traced on the first call
+    twice = update(*once, fsdp(GRADS, mesh))
+    assert (len(traces), len(evaluations)) == counts  # the second call traced nothing
+    assert not unsplit.testing.bits_equal(jax.device_get(once), jax.device_get(twice))
+
+
+def test_an_update_the_rewrite_cannot_run_falls_back_to_xla_with_a_warning():
+    # A cumulative sum along the split dimension: not elementwise, not a reduction.
+    mesh = mesh_of(2)
+    w = jax.random.normal(KEYS[0], (16, 4))
+    update = GroupedUpdate(lambda w: (w - jnp.cumsum(w, axis=0),), mesh, outputs=1, axes=("fsdp",))
+    with pytest.warns(FixedOrderFallback, match=r"cumsum on a dimension split.*Fix"):
+        (got,) = update(fsdp(w, mesh))
+    assert "cumsum" in update.fallback
+    np.testing.assert_allclose(got, w - jnp.cumsum(w, axis=0), rtol=1e-6)
+    assert got.sharding.spec == P("fsdp")
+
+
+def group(fn, *arrays, specs):
+    gmesh = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
+    args = [jax.device_put(x, NamedSharding(gmesh, s)) for x, s in zip(arrays, specs, strict=True)]
+    return fixed_order_update.program(lambda *a: (fn(*a),), gmesh, args, specs, (specs[0],))(*args)[
+        0
+    ]
+
+
+X = jax.random.normal(KEYS[4], (16, 8))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, y: x * jnp.vdot(x, y),  # ravel (a reshape keeping blocks) + a contraction
+        lambda x, y: x @ (y.T @ x)[:, :8].T @ jnp.eye(8),  # dots contracting the split dim
+        lambda x, y: x / jnp.max(jnp.abs(y)) + jnp.min(y, axis=0)[None],  # pmax / pmin
+        lambda x, y: jnp.where(jnp.all(y < 9) & jnp.any(y > 2), x, -x),  # reduce_and / _or
+        lambda x, y: x.reshape(32, 4).reshape(16, 8) + jnp.mean(y.T, axis=1)[None, :],
+        lambda x, y: jax.lax.cond(jnp.sum(y) > 0, lambda a: a * 2, jnp.zeros_like, x),
+        lambda x, y: jax.lax.while_loop(lambda a: jnp.sum(a * a) > 1, lambda a: a / 2, x + y),
+    ],
+)
+def test_rewritten_equations_give_the_whole_arrays_values(fn):
+    y = jax.random.normal(KEYS[5], X.shape)
+    got = group(fn, X, y, specs=(P("fsdp"), P("fsdp")))
+    np.testing.assert_allclose(got, jax.jit(fn)(X, y), rtol=1e-5, atol=1e-6)
+    again = group(fn, X, y, specs=(P("fsdp"), P()))  # a replicated operand sliced to blocks
+    np.testing.assert_allclose(again, got, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "fn,what",
+    [
+        (lambda x: x.reshape(128)[None] + 0, "reshape"),  # dim 1 split: its blocks mix
+        (lambda x: jnp.sort(x, axis=0), "sort"),
+        (lambda x: x[1:] + 0, "slice"),
+        (lambda x: x @ x.T, "two dimensions split over one axis"),  # both free dims split
+        (lambda x: x @ x.reshape(8, 16), "two dimensions split over one axis"),  # free+contracted
+    ],
+)
+def test_equations_that_mix_a_split_dimension_are_refused(fn, what):
+    with pytest.raises(fixed_order_update.Unsupported, match=what):
+        group(fn, X, specs=(P(None, "fsdp"),) if what == "reshape" else (P("fsdp"),))
