@@ -21,3 +21,16 @@ def standard_promotion():
     ``pytestmark = pytest.mark.usefixtures("standard_promotion")``."""
     with jax.numpy_dtype_promotion("standard"):
         yield
+
+
+def pytest_collection_modifyitems(items):
+    """The long tests first (those marked ``slow`` or ``multiprocess``; the rest keep their
+    order): pytest-xdist hands out tests in collection order, so a minute-long launch
+    collected last would leave one worker running it alone at the end of the suite."""
+    items.sort(key=_is_short)  # stable: False (long) before True
+
+
+def _is_short(item) -> bool:
+    return (
+        item.get_closest_marker("slow") is None and item.get_closest_marker("multiprocess") is None
+    )

@@ -32,6 +32,13 @@ library's measuring switch ``UNSPLIT_BENCH_XLA_GROUP_REDUCE=1``): bytes each dev
 sends per chunk program and per step (``unsplit.testing.bitwise_cost``, ring
 accounting), the step time ratio (alternating rounds, median and min-max) and
 whether each is bit-identical to the data=1 run.
+
+``--update`` does the same for a whole ``train_step`` (``clip_by_global_norm`` +
+AdamW, the update on each group's shards): every sum across a group -- the chunk
+programs' and the update's (the global norm: manual over the group, the partials
+all-gathered and added in the canonical tree) -- as unsplit adds them vs XLA's
+collectives (the same switch, which covers both): the train step's time ratio and
+whether 3 steps end in the data=1 run's bits.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import unsplit
 
 MARKER = "fsdp_groups"
 REDUCE_MARKER = "fsdp_groups_reduce"
+UPDATE_MARKER = "fsdp_groups_update"
 XLA_ENV = "UNSPLIT_BENCH_XLA_GROUP_REDUCE"  # the library's switch for measuring its old path
 FSDP = "bitwise, chunk_axes='fsdp'"
 DOC = "benchmarks.md"
@@ -208,6 +216,66 @@ def reduce_rows(quick: bool) -> tuple[str, list[str], list[list[str]]]:
     return title, header, cells
 
 
+def clipped_adamw():
+    return optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-3))
+
+
+def grouped_train(mesh: Mesh, xla: bool, quick: bool):
+    """A ``chunk_axes`` train step (clip + AdamW) after one call, its update made with XLA's
+    in-group sums or unsplit's; returns a zero-argument step that carries its own state."""
+    params, x = inputs(mesh, quick)
+    optimizer = clipped_adamw()
+    state = {"params": params, "opt": jax.jit(optimizer.init)(params)}
+    key = jax.random.key(2)
+    train = unsplit.train_step(step_for(FSDP, mesh), optimizer)
+
+    def one_step():
+        _, state["params"], state["opt"] = train(state["params"], state["opt"], x, key)
+        return state["params"]
+
+    if xla:
+        os.environ[XLA_ENV] = "1"
+    try:
+        jax.block_until_ready(one_step())
+    finally:
+        os.environ.pop(XLA_ENV, None)
+    return one_step, state
+
+
+def update_rows(quick: bool) -> tuple[str, list[str], list[list[str]]]:
+    """A train step's in-group sums (chunk programs and update): unsplit's fixed order vs
+    XLA's collectives, side by side."""
+    names = {"unsplit's fixed order (now)": False, "XLA's collectives (before)": True}
+    runs = {name: grouped_train(mesh_of(2), xla, quick) for name, xla in names.items()}
+    timed = common.compare(
+        {name: (lambda f=f: f()) for name, (f, _) in runs.items()},
+        baseline="XLA's collectives (before)",
+        repeats=3 if quick else 7,
+        inner=1,
+        warmup=1,
+    )
+    same = {}
+    for name, xla in names.items():  # fresh 3-step runs: data=2 vs data=1, bit for bit
+        ends = []
+        for data in (2, 1):
+            one_step, state = grouped_train(mesh_of(data), xla, quick)
+            one_step(), one_step()
+            ends.append(jax.device_get((state["params"], state["opt"])))
+        same[name] = unsplit.testing.bits_equal(*ends)
+    header = ["in-group sums, chunk programs and update (data=2, fsdp=4)", "train step time vs XLA's (median, min-max)",
+              "3 steps bit-identical to data=1"]  # fmt: skip
+    cells = [
+        [name, common.ratio_cell(r), "yes" if same[name] else "NO"]
+        for name, r in zip(runs, timed, strict=True)
+    ]
+    width, layers, batch = sizes(quick)
+    title = (
+        f"FSDP groups' train step (`clip_by_global_norm(0.1)` + AdamW, update on the groups' shards): "
+        f"{width * width * layers / 1e6:.1f}M-param MLP, batch {batch}"
+    )
+    return title, header, cells
+
+
 def run_child(mode: str, quick: bool, train: bool = False) -> dict:
     argv = [sys.executable, __file__, "--child", mode] + (["--quick"] if quick else [])
     argv += ["--train"] if train else []
@@ -222,9 +290,13 @@ def main() -> None:
     parser.add_argument("--child", help=argparse_hidden())
     parser.add_argument("--train", action="store_true", help=argparse_hidden())
     parser.add_argument("--reduce", action="store_true", help="only the in-group sum's rows")
+    parser.add_argument("--update", action="store_true", help="only the train step's rows")
     args = parser.parse_args()
     if args.reduce:
         reduce_table(args)
+        return
+    if args.update:
+        update_table(args)
         return
     if args.child:
         run = train_child if args.train else child
@@ -273,6 +345,16 @@ def reduce_table(args) -> None:
     if common.should_write(args):
         common.write_table(
             DOC, REDUCE_MARKER, f"{title}:\n\n{common.markdown_table(header, cells)}"
+        )
+
+
+def update_table(args) -> None:
+    """The grouped update's rows (:func:`update_rows`), printed and written to the docs."""
+    title, header, cells = update_rows(args.quick)
+    common.print_table(title, header, cells)
+    if common.should_write(args):
+        common.write_table(
+            DOC, UPDATE_MARKER, f"{title}:\n\n{common.markdown_table(header, cells)}"
         )
 
 
