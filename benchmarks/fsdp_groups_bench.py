@@ -89,8 +89,8 @@ def loss_fn(params, x, key):
     return jnp.mean(h**2)
 
 
-def inputs(mesh: Mesh, quick: bool):
-    width, layers, batch = sizes(quick)
+def inputs(mesh: Mesh, quick: bool, dims: tuple[int, int, int] | None = None):
+    width, layers, batch = dims or sizes(quick)
     sharding = NamedSharding(mesh, P("fsdp"))
 
     @jax.jit
@@ -220,10 +220,16 @@ def clipped_adamw():
     return optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-3))
 
 
+def update_sizes(quick: bool) -> tuple[int, int, int]:
+    """(width, layers, batch) of the train-step rows: a quarter of the step rows' params (two
+    train steps side by side hold their params, states and programs' buffers at once)."""
+    return sizes(True) if quick else (1024, 8, 32)
+
+
 def grouped_train(mesh: Mesh, xla: bool, quick: bool):
     """A ``chunk_axes`` train step (clip + AdamW) after one call, its update made with XLA's
     in-group sums or unsplit's; returns a zero-argument step that carries its own state."""
-    params, x = inputs(mesh, quick)
+    params, x = inputs(mesh, quick, update_sizes(quick))
     optimizer = clipped_adamw()
     state = {"params": params, "opt": jax.jit(optimizer.init)(params)}
     key = jax.random.key(2)
@@ -254,6 +260,7 @@ def update_rows(quick: bool) -> tuple[str, list[str], list[list[str]]]:
         inner=1,
         warmup=1,
     )
+    del runs  # their buffers, before the bit checks make their own
     same = {}
     for name, xla in names.items():  # fresh 3-step runs: data=2 vs data=1, bit for bit
         ends = []
@@ -262,13 +269,14 @@ def update_rows(quick: bool) -> tuple[str, list[str], list[list[str]]]:
             one_step(), one_step()
             ends.append(jax.device_get((state["params"], state["opt"])))
         same[name] = unsplit.testing.bits_equal(*ends)
+        del one_step, state, ends
     header = ["in-group sums, chunk programs and update (data=2, fsdp=4)", "train step time vs XLA's (median, min-max)",
               "3 steps bit-identical to data=1"]  # fmt: skip
     cells = [
         [name, common.ratio_cell(r), "yes" if same[name] else "NO"]
-        for name, r in zip(runs, timed, strict=True)
+        for name, r in zip(names, timed, strict=True)
     ]
-    width, layers, batch = sizes(quick)
+    width, layers, batch = update_sizes(quick)
     title = (
         f"FSDP groups' train step (`clip_by_global_norm(0.1)` + AdamW, update on the groups' shards): "
         f"{width * width * layers / 1e6:.1f}M-param MLP, batch {batch}"
