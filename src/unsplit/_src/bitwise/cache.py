@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from unsplit._src.bitwise import group_reduce, placement, programs, relocate
+from unsplit._src.bitwise import placement, programs, relocate
+from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import memory, sums
 

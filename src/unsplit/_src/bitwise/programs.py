@@ -37,8 +37,9 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import canonical_dots, group_reduce, reduce
+from unsplit._src.bitwise import canonical_dots, reduce
 from unsplit._src.bitwise import plan as bitwise_plan
+from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import sums
 
@@ -96,7 +97,7 @@ class GroupIO:
     (model axes, chunk axes): per device, inside ``shard_map``, so each device
     unpacks and packs only its local blocks (exact data movement). FSDP groups
     (chunk axes) compute manual over the chunk axes, their sums added in a fixed
-    order (:attr:`reducer`, :mod:`unsplit._src.bitwise.group_reduce`).
+    order (:attr:`reducer`, :mod:`unsplit._src.bitwise.fsdp.group_reduce`).
     """
 
     def __init__(self, plan: Plan, group: int):

@@ -33,8 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
-from unsplit._src.bitwise import group_reduce
-from unsplit._src.bitwise.fsdp import fixed_order_update
+from unsplit._src.bitwise.fsdp import fixed_order_update, group_reduce
 
 
 class CanonicalUpdate:

@@ -302,7 +302,7 @@ def bits_settings() -> dict[str, str]:
     return settings
 
 
-# bitwise/group_reduce.py's measuring switch (read there; named here to stay off its floor).
+# bitwise/fsdp/group_reduce.py's measuring switch (read there; named here to stay off its floor).
 _BENCH_XLA_GROUP_REDUCE = "UNSPLIT_BENCH_XLA_GROUP_REDUCE"
 
 

@@ -33,7 +33,7 @@ def test_bits_settings_name_the_collectives_implementation(monkeypatch):
 
 def test_the_benchmarks_xla_group_sums_switch_is_a_setting_that_must_match(monkeypatch):
     # It turns FSDP groups' fixed-order sums back into XLA's reduce-scatter: other bits.
-    from unsplit._src.bitwise import group_reduce
+    from unsplit._src.bitwise.fsdp import group_reduce
 
     plain = fingerprint.bits_settings()
     monkeypatch.setenv(group_reduce.BENCH_XLA_ENV, "1")

@@ -55,7 +55,7 @@ from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
-from unsplit._src.bitwise import group_reduce
+from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.step import jaxpr_eval
 
 Dims = tuple[tuple[str, ...], ...]  # per dimension: the group axes it is split over

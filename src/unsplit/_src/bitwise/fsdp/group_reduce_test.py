@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 import unsplit
 from unsplit._src import frozen as frozen_lib
 from unsplit._src import test_util as testing
-from unsplit._src.bitwise import cache, group_reduce
+from unsplit._src.bitwise import cache
+from unsplit._src.bitwise.fsdp import group_reduce
 
 pytestmark = pytest.mark.xdist_group("bitwise")
 KEY = jax.random.key(5)

@@ -26,7 +26,7 @@ its rows' split only: not on the collectives, the processes or the host layout.
 
 Example:
     >>> import jax, jax.numpy as jnp
-    >>> from unsplit._src.bitwise import group_reduce
+    >>> from unsplit._src.bitwise.fsdp import group_reduce
     >>> add = lambda a, b: a + b
     >>> float(group_reduce.fixed_sum(jnp.arange(4.0)[:, None], add)[0])  # ((0+1)+(2+3))
     6.0
