@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import canonical_dots, group_reduce, reduce
+from unsplit._src.bitwise import canonical_dots, group_reduce, placement, reduce
 from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import sums
@@ -49,14 +49,13 @@ def pack_program(plan: Plan):
     # Gathered over the outer batch axes; kept sharded over the chunk axes (FSDP groups).
     batch_axes = tuple(a for a in plan.layout.batch_axes if a not in plan.chunk_axes)
 
+    def gather_axes(spec, ndim):  # per dimension, the batch axes it is gathered over
+        entries = [*spec, *[None] * (ndim - len(spec))]
+        return tuple(tuple(n for n in partition.names(e) if n in batch_axes) for e in entries)
+
     def local(*blocks):
-        leaves = []
-        for x, spec in zip(blocks, plan.specs, strict=True):
-            for dim, entry in enumerate(spec):
-                gather = tuple(n for n in partition.names(entry) if n in batch_axes)
-                if gather:
-                    x = jax.lax.all_gather(x, partition.entry(gather), axis=dim, tiled=True)
-            leaves.append(x)
+        gathers = [gather_axes(s, x.ndim) for x, s in zip(blocks, plan.specs, strict=True)]
+        leaves = placement.gathered_blocks(list(blocks), gathers, dict(mesh.shape))
         return tuple(plan.params_flat.pack(leaves))
 
     every = P(tuple(mesh.axis_names))
