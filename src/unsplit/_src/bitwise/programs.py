@@ -299,6 +299,16 @@ def concat_rows(parts):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
+def slots_spec(plan: Plan) -> P:
+    """The combine's inputs: every group's blocks stacked, ``(groups, slots, length)``; or,
+    when each group holds one block, those blocks end to end, ``(groups * length,)``: the
+    chunk programs' outputs as they are, with no stacking program (one launch and one
+    copy of the sums per group less)."""
+    if plan.slots == 1:
+        return P(partition.entry((*partition.names(plan.outer_entry), *plan.group_axes)))
+    return P(plan.outer_entry, None, partition.entry(plan.group_axes))
+
+
 def combine_program(plan: Plan):
     """The groups' blocks -> the total, added in the canonical tree (on the compute mesh).
 
@@ -330,6 +340,8 @@ def combine_program(plan: Plan):
         return jax.lax.all_to_all(x, batch, split_axis=1, concat_axis=0, tiled=False)
 
     def local(*slots):  # each (1, slots, length): this group's blocks
+        if plan.slots == 1:  # each group's one block as the chunk program wrote it
+            slots = tuple(s.reshape(1, 1, -1) for s in slots)
         length = [s.shape[2] for s in slots]
         mine = [scatter(s) for s in slots] if groups > 1 else [s for s in slots]
         named = {
@@ -349,7 +361,7 @@ def combine_program(plan: Plan):
         jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(batch, None, gentry),) * n,
+            in_specs=(slots_spec(plan),) * n,
             out_specs=(P(gentry),) * n,
             check_vma=False,
         )
