@@ -333,11 +333,12 @@ def combine_program(plan: Plan):
 
     def scatter(s):
         """(1, slots, length) -> (groups, slots, piece): every group's blocks of my piece."""
-        slots, length = s.shape[1], s.shape[2]
-        piece = -(-length // groups)
-        x = jnp.pad(s[0], ((0, 0), (0, piece * groups - length)))
-        x = x.reshape(slots, groups, piece)
-        return jax.lax.all_to_all(x, batch, split_axis=1, concat_axis=0, tiled=False)
+        piece = -(-s.shape[2] // groups)
+        # Each piece sliced from the input, only the short last one padded: one copy of the
+        # sums before the all_to_all where padding the whole vector first made two.
+        parts = [s[0, :, g * piece : (g + 1) * piece] for g in range(groups)]
+        parts = [jnp.pad(p, ((0, 0), (0, piece - p.shape[1]))) for p in parts]
+        return jax.lax.all_to_all(jnp.stack(parts), batch, split_axis=0, concat_axis=0, tiled=True)
 
     def local(*slots):  # each (1, slots, length): this group's blocks
         if plan.slots == 1:  # each group's one block as the chunk program wrote it
