@@ -301,9 +301,8 @@ def concat_rows(parts):
 
 def slots_spec(plan: Plan) -> P:
     """The combine's inputs: every group's blocks stacked, ``(groups, slots, length)``; or,
-    when each group holds one block, those blocks end to end, ``(groups * length,)``: the
-    chunk programs' outputs as they are, with no stacking program (one launch and one
-    copy of the sums per group less)."""
+    when each group holds one block, the chunk programs' outputs end to end, ``(groups *
+    length,)``, with no stacking program (one launch and one copy per group less)."""
     if plan.slots == 1:
         return P(partition.entry((*partition.names(plan.outer_entry), *plan.group_axes)))
     return P(plan.outer_entry, None, partition.entry(plan.group_axes))
