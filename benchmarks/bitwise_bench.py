@@ -7,7 +7,9 @@ loss with dropout, batch 64) runs in default mode and with ``bitwise=True`` (def
 chunk size), side by side in alternating rounds. Reported per layout:
 
 * step time, bitwise / default: median ratio with min and max (goal <= 1.15x on
-  replicated and FSDP params);
+  replicated and FSDP params), and the same rounds' process CPU time (all threads),
+  bitwise / default: on cores shared with other jobs wall time also counts waiting
+  for a core, CPU time counts the work;
 * default mode cut into as many microbatches as a group has chunks, / default: the
   cost of running the same layout in programs of one chunk's rows (tensor parallel);
 * the collectives XLA put in a chunk program (each runs once per chunk);
@@ -162,6 +164,7 @@ def main() -> None:
     rows = [measure(layout, config, batch, args.quick) for layout in LAYOUTS]
     load = (load + os.getloadavg()[0]) / 2
     header = ["layout", "step time: bitwise / default (median, min-max)",
+              "process CPU time: bitwise / default (median)",
               "default mode in one-chunk programs (microbatches = chunks per group) / default",
               "collectives per chunk program", "first call: bitwise / default",
               "memory per device: bitwise / default",
@@ -174,6 +177,7 @@ def main() -> None:
             [
                 r["layout"],
                 common.ratio_cell(t),
+                f"{t.cpu_ratio_median:.2f}x",
                 chunked_cell(*r["chunked"]),
                 str(r["collectives"]),
                 f"{r['first']:.1f}x",

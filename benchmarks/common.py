@@ -39,6 +39,9 @@ class Result:
     ratio_median: float
     ratio_min: float
     ratio_max: float
+    # The median per-round ratio of process CPU time (all threads) to the baseline's: on a
+    # machine shared with other jobs wall time also counts waiting for a core.
+    cpu_ratio_median: float = float("nan")
 
 
 def block(x):
@@ -71,14 +74,18 @@ def compare(
         for name in names:
             time_once(candidates[name])
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             fn = candidates[name]
+            start = time.process_time()
             times[name].append(sum(time_once(fn) for _ in range(inner)) / inner)
+            cpu[name].append(time.process_time() - start)
     results = []
     for name in names:
         ratios = [t / b for t, b in zip(times[name], times[baseline], strict=True)]
+        cpu_ratios = [t / b for t, b in zip(cpu[name], cpu[baseline], strict=True)]
         results.append(
             Result(
                 name=name,
@@ -86,6 +93,7 @@ def compare(
                 ratio_median=statistics.median(ratios),
                 ratio_min=min(ratios),
                 ratio_max=max(ratios),
+                cpu_ratio_median=statistics.median(cpu_ratios),
             )
         )
     return results

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -204,3 +205,40 @@ class Placer:
         if self.size == 1:
             return self.one_device(jax.device_put(x, self.devices[0]))
         return replicate(x, self.replicated)
+
+
+def gathered_blocks(blocks: list, gathers: list, sizes: dict) -> list:
+    """Inside ``shard_map``: each block gathered over its batch axes, with **one** all-gather.
+
+    ``gathers[i]``: block ``i``'s gather axes per dimension (a tuple of axis names per
+    dimension; empty: kept as it is); ``sizes``: each mesh axis's size. The result is
+    what ``jax.lax.all_gather(x, axes, axis=dim, tiled=True)`` per dimension gives
+    (exact data movement), but the blocks travel in one collective: on CPU a step's
+    pack program with one all-gather per FSDP leaf (30 on the test transformer) cost
+    about 3 ms more than with none, most of it in the collectives' rendezvous.
+    """
+    todo = [i for i, g in enumerate(gathers) if any(g)]
+    if not todo:
+        return list(blocks)
+    used = {a for i in todo for dim in gathers[i] for a in dim}
+    axes = tuple(a for a in sizes if a in used)  # in the mesh's order
+    flat = jnp.concatenate([jnp.ravel(blocks[i]) for i in todo])
+    everyone = jax.lax.all_gather(flat, partition.entry(axes), tiled=False)
+    everyone = everyone.reshape(*(sizes[a] for a in axes), -1)  # one row per device
+    out, offset = list(blocks), 0
+    for i in todo:
+        x = blocks[i]
+        n = x.size
+        part = everyone[..., offset : offset + n].reshape(*everyone.shape[:-1], *x.shape)
+        offset += n
+        mine = {a for dim in gathers[i] for a in dim}
+        for a in reversed([a for a in axes if a not in mine]):  # this device's copy there
+            k = axes.index(a)
+            part = jax.lax.dynamic_index_in_dim(part, jax.lax.axis_index(a), k, keepdims=False)
+        kept = [a for a in axes if a in mine]
+        order = []  # each dimension preceded by its gather axes, major first
+        for dim, names in enumerate(gathers[i]):
+            order += [kept.index(a) for a in names] + [len(kept) + dim]
+        shape = [x.shape[d] * math.prod(sizes[a] for a in g) for d, g in enumerate(gathers[i])]
+        out[i] = part.transpose(order).reshape(shape)
+    return out

@@ -191,3 +191,41 @@ def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
     assert got["train_fsdp_spread"] == run_layout("fsdp", train=True)
     assert got["fsdp_seq_spread"] == one_process("fsdp2_seq")
     assert got["tp_spread"] == one_process("tp")
+
+
+def test_blocks_gathered_in_one_collective_are_the_per_dimension_all_gathers():
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "m"))
+    x = np.arange(8 * 8 * 4, dtype=np.float32).reshape(8, 8, 4)
+    specs = (P(("a", "b")), P("b", "a"), P(None, ("b", "a")), P("m"), P(), P("a", "m"))
+    gathers = [
+        (("a", "b"), (), ()), (("b",), ("a",), ()), ((), ("b", "a"), ()), ((), (), ()),
+        ((), (), ()), (("a",), (), ()),
+    ]  # fmt: skip
+
+    def one(*blocks):  # every device's result, stacked: the blocks differ per device
+        out = placement.gathered_blocks(list(blocks), gathers, dict(mesh.shape))
+        return tuple(b[None] for b in out)
+
+    def each(*blocks):
+        out = []
+        for b, g in zip(blocks, gathers, strict=True):
+            for dim, axes in enumerate(g):
+                if axes:
+                    b = jax.lax.all_gather(
+                        b, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True
+                    )
+            out.append(b[None])
+        return tuple(out)
+
+    args = [jax.device_put(x, NamedSharding(mesh, s)) for s in specs]
+    every = (P(("a", "b", "m")),) * len(specs)
+
+    def run(fn):
+        return jax.jit(
+            jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=every, check_vma=False)
+        )
+
+    for a, b in zip(run(one)(*args), run(each)(*args), strict=True):
+        np.testing.assert_array_equal(a, b)
+    hlo = run(one).lower(*args).compile().as_text()
+    assert hlo.count("all-gather(") + hlo.count("all-gather-start(") == 1

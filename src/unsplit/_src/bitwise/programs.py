@@ -9,9 +9,8 @@
    for each of the group's chunks and adds their sums like a binary counter
    over the *global* chunk index (the canonical tree of
    :mod:`unsplit._src.bitwise.reduce`), with an elementwise add program.
-   On CPU its dots are put in a canonical layout on the YNNPACK path, so its
-   bits do not depend on the process's thread count
-   (:mod:`unsplit._src.bitwise.canonical_dots`).
+   On CPU its dots are put in a canonical layout on the YNNPACK path, so its bits
+   do not depend on the thread count (:mod:`unsplit._src.bitwise.canonical_dots`).
 3. ``combine`` (the compute mesh): the groups' blocks added in the same tree,
    as a fixed-order reduce-scatter (an ``all_to_all`` of pieces, each group
    adding its piece's blocks in the tree) and an all-gather: a ring
@@ -37,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import canonical_dots, reduce
+from unsplit._src.bitwise import canonical_dots, placement, reduce
 from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.bitwise.plan import Plan
@@ -50,14 +49,13 @@ def pack_program(plan: Plan):
     # Gathered over the outer batch axes; kept sharded over the chunk axes (FSDP groups).
     batch_axes = tuple(a for a in plan.layout.batch_axes if a not in plan.chunk_axes)
 
+    def gather_axes(spec, ndim):  # per dimension, the batch axes it is gathered over
+        entries = [*spec, *[None] * (ndim - len(spec))]
+        return tuple(tuple(n for n in partition.names(e) if n in batch_axes) for e in entries)
+
     def local(*blocks):
-        leaves = []
-        for x, spec in zip(blocks, plan.specs, strict=True):
-            for dim, entry in enumerate(spec):
-                gather = tuple(n for n in partition.names(entry) if n in batch_axes)
-                if gather:
-                    x = jax.lax.all_gather(x, partition.entry(gather), axis=dim, tiled=True)
-            leaves.append(x)
+        gathers = [gather_axes(s, x.ndim) for x, s in zip(blocks, plan.specs, strict=True)]
+        leaves = placement.gathered_blocks(list(blocks), gathers, dict(mesh.shape))
         return tuple(plan.params_flat.pack(leaves))
 
     every = P(tuple(mesh.axis_names))
@@ -301,6 +299,15 @@ def concat_rows(parts):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
+def slots_spec(plan: Plan) -> P:
+    """The combine's inputs: every group's blocks stacked, ``(groups, slots, length)``; or,
+    when each group holds one block, the chunk programs' outputs end to end, ``(groups *
+    length,)``, with no stacking program (one launch and one copy per group less)."""
+    if plan.slots == 1:
+        return P(partition.entry((*partition.names(plan.outer_entry), *plan.group_axes)))
+    return P(plan.outer_entry, None, partition.entry(plan.group_axes))
+
+
 def combine_program(plan: Plan):
     """The groups' blocks -> the total, added in the canonical tree (on the compute mesh).
 
@@ -325,13 +332,16 @@ def combine_program(plan: Plan):
 
     def scatter(s):
         """(1, slots, length) -> (groups, slots, piece): every group's blocks of my piece."""
-        slots, length = s.shape[1], s.shape[2]
-        piece = -(-length // groups)
-        x = jnp.pad(s[0], ((0, 0), (0, piece * groups - length)))
-        x = x.reshape(slots, groups, piece)
-        return jax.lax.all_to_all(x, batch, split_axis=1, concat_axis=0, tiled=False)
+        piece = -(-s.shape[2] // groups)
+        # Each piece sliced from the input, only the short last one padded: one copy of the
+        # sums before the all_to_all where padding the whole vector first made two.
+        parts = [s[0, :, g * piece : (g + 1) * piece] for g in range(groups)]
+        parts = [jnp.pad(p, ((0, 0), (0, piece - p.shape[1]))) for p in parts]
+        return jax.lax.all_to_all(jnp.stack(parts), batch, split_axis=0, concat_axis=0, tiled=True)
 
     def local(*slots):  # each (1, slots, length): this group's blocks
+        if plan.slots == 1:  # each group's one block as the chunk program wrote it
+            slots = tuple(s.reshape(1, 1, -1) for s in slots)
         length = [s.shape[2] for s in slots]
         mine = [scatter(s) for s in slots] if groups > 1 else [s for s in slots]
         named = {
@@ -351,7 +361,7 @@ def combine_program(plan: Plan):
         jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(P(batch, None, gentry),) * n,
+            in_specs=(slots_spec(plan),) * n,
             out_specs=(P(gentry),) * n,
             check_vma=False,
         )

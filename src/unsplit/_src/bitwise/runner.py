@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import cache, placement, programs, reduce
+from unsplit._src.bitwise import cache, placement, programs, reduce, relocate
 from unsplit._src.bitwise.plan import Plan
 
 
@@ -56,7 +56,7 @@ class Runner:
         self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
         self.executables: dict[int, Any] = {}
         gentry = partition.entry(plan.group_axes)
-        self.slots_sharding = NamedSharding(plan.compute, P(plan.outer_entry, None, gentry))
+        self.slots_sharding = NamedSharding(plan.compute, programs.slots_spec(plan))
         self.fused = None
         if tuple(plan.compute.devices.flat) == tuple(mesh.devices.flat):
             combine, unpack = self.combine, self.unpack
@@ -69,18 +69,26 @@ class Runner:
         self._placers: dict[int, placement.Placer] = {}
         self._default_words: dict | None = None
         self.total_sharding = NamedSharding(mesh, P(gentry))
+        self.key_sharding = NamedSharding(plan.compute, P())
 
     def combine_slots(self) -> list[jax.ShapeDtypeStruct]:
         """The combine program's inputs: every group's blocks of packed sums, stacked."""
         plan = self.plan
         return [
             jax.ShapeDtypeStruct(
-                (plan.groups, plan.slots, n * plan.devices_per_group),
+                self._slots_shape(n * plan.devices_per_group),
                 dtype,
                 sharding=self.slots_sharding,
             )
             for n, dtype in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)
         ]
+
+    def _slots_shape(self, length: int) -> tuple[int, ...]:
+        """A combine input's shape, for a group's vector of ``length`` (programs.slots_spec)."""
+        plan = self.plan
+        if plan.slots == 1:
+            return (plan.groups * length,)
+        return (plan.groups, plan.slots, length)
 
     def combine_compiled(self) -> Any:
         """The combine program for this plan, compiled (its HLO, bytes sent and memory)."""
@@ -186,13 +194,16 @@ class Runner:
         data = jax.random.key_data(key) if typed else key
         if not all(self._placer(g).size == 1 for g in self.local_groups):
             return {g: self._placer(g).whole(key) for g in self.local_groups}
-        whole = placement.replicate(data, NamedSharding(self.plan.compute, P()))
+        whole = placement.replicate(data, self.key_sharding)
         here = placement.shards_by_device(whole)
         impl = jax.random.key_impl(key) if typed else None
         out = {}
         for g in self.local_groups:
             x = here[self._placer(g).devices[0]].data
-            out[g] = jax.random.wrap_key_data(x, impl=impl) if typed else x
+            # A loaded program takes the key's data as it is: wrapping it here only for
+            # the program to unwrap it again cost two dispatched ops per group.
+            wrap = typed and not isinstance(self.executables.get(g), relocate.Relocated)
+            out[g] = jax.random.wrap_key_data(x, impl=impl) if wrap else x
         return out
 
     def _total(self, outs: dict) -> Any:
@@ -228,10 +239,13 @@ class Runner:
                 acc.push(g * plan.per_group + i, chunk_sums)
                 del chunk_sums  # the accumulator holds it (or its sum) from here
             blocks[g] = list(acc.blocks.values())  # left to right
-        stacked = {g: programs.stack_blocks(blocks[g], plan.slots) for g in self.local_groups}
+        if plan.slots == 1:  # taken as they are (programs.slots_spec)
+            stacked = {g: blocks[g][0] for g in self.local_groups}
+        else:
+            stacked = {g: programs.stack_blocks(blocks[g], plan.slots) for g in self.local_groups}
         slots = [
             jax.make_array_from_single_device_arrays(
-                (plan.groups, *stacked[self.local_groups[0]][i].shape[1:]),
+                self._slots_shape(stacked[self.local_groups[0]][i].shape[-1]),
                 self.slots_sharding,
                 [s.data for g in self.local_groups for s in stacked[g][i].addressable_shards],
             )
