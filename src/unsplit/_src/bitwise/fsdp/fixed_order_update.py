@@ -158,8 +158,9 @@ class _Rewrite:
             body = next(
                 eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in eqn.params
             )
-            consts = body.consts if isinstance(body, core.ClosedJaxpr) else ()
-            return self.run(getattr(body, "jaxpr", body), consts, vals)
+            if isinstance(body, core.ClosedJaxpr):
+                return self.run(body.jaxpr, body.consts, vals)
+            return self.run(body, (), vals)
         if name in _ELEMENTWISE:
             return self._elementwise(eqn, vals)
         rules = {
@@ -203,13 +204,13 @@ class _Rewrite:
 
     def _elementwise(self, eqn, vals: list[V]) -> Any:
         ranked = [v for v in vals if v.dims]  # a rank-0 operand (select_n's, clamp's) as it is
-        dims: list[tuple[str, ...]] = []
+        split: list[tuple[str, ...]] = []
         for k in range(len(ranked[0].dims)):  # each dim split as the first operand splits it,
-            used = {a for d in dims for a in d}  # unless an earlier dim took one of its axes
-            dims.append(
+            used = {a for d in split for a in d}  # unless an earlier dim took one of its axes
+            split.append(
                 next((v.dims[k] for v in ranked if v.dims[k] and not used & set(v.dims[k])), ())
             )
-        dims = tuple(dims)
+        dims: Dims = tuple(split)
 
         # An operand's size-1 dimension broadcasts (lax allows it): it stays whole.
         def fit(v: V) -> Any:
