@@ -2,8 +2,18 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# XLA's backend (LLVM) optimizations off: compiling is most of a test's time here, and the
+# level changes no HLO pass and no order of a reduction (fast math stays off), so what the
+# tests compare -- bits across schedules, values against references -- is the same.
+# `./dev test-newest` compiles at XLA's default level (UNSPLIT_TEST_XLA_OPTIMIZE=1), so every
+# test function's first case also runs on the code users run; the benchmarks do too.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+    + (
+        []
+        if os.environ.get("UNSPLIT_TEST_XLA_OPTIMIZE") == "1"
+        else ["--xla_backend_optimization_level=0"]
+    )
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -169,8 +169,7 @@ def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
         "fsdp_spread": ("fsdp", True, False),  # each group's devices in both processes
         "tp_spread": ("tp", True, False),  # tensor-parallel groups of 2 over both
         # train_step's grouped update: clip_by_global_norm + AdamW, its global norm summed
-        # across each FSDP group in unsplit's order
-        "train_fsdp": ("fsdp", False, True),
+        # across each FSDP group in unsplit's order (compared with the plain process below)
         "train_fsdp_spread": ("fsdp", True, True),
         "fsdp_seq_spread": ("fsdp2_seq", True, False),  # FSDP x seq groups of 4 over both
     }
@@ -183,7 +182,6 @@ def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
     )
     assert results[0] == results[1]
     (got,) = results[:1]
-    assert got["train_fsdp_spread"] == got["train_fsdp"]
     # The bits of this plain 8-device process too (no jax.distributed, no gloo): FSDP groups
     # (their in-group sums are unsplit's, in a fixed order), with a sequence axis in the group,
     # and tensor-parallel groups.
