@@ -43,6 +43,7 @@ whether 3 steps end in the data=1 run's bits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -152,18 +153,25 @@ def child(mode: str, quick: bool) -> dict:
     return {"compiled": compiled, "peak": peak, "identical": identical}
 
 
+@contextlib.contextmanager
+def xla_group_sums(xla: bool):
+    """The library's measuring switch on (XLA's in-group sums) for the programs made inside."""
+    if xla:
+        os.environ[XLA_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(XLA_ENV, None)
+
+
 def grouped_step(mesh: Mesh, xla: bool, quick: bool):
     """The ``chunk_axes`` step, its programs made with XLA's in-group reduce or unsplit's,
     after one call (which makes them; the switch is read then)."""
     params, x = inputs(mesh, quick)
     key = jax.random.key(2)
-    if xla:
-        os.environ[XLA_ENV] = "1"
-    try:
+    with xla_group_sums(xla):
         step = step_for(FSDP, mesh)
         out = jax.block_until_ready(step(params, x, key))
-    finally:
-        os.environ.pop(XLA_ENV, None)
     return step, out, (params, x, key)
 
 
@@ -239,12 +247,8 @@ def grouped_train(mesh: Mesh, xla: bool, quick: bool):
         _, state["params"], state["opt"] = train(state["params"], state["opt"], x, key)
         return state["params"]
 
-    if xla:
-        os.environ[XLA_ENV] = "1"
-    try:
+    with xla_group_sums(xla):
         jax.block_until_ready(one_step())
-    finally:
-        os.environ.pop(XLA_ENV, None)
     return one_step, state
 
 
@@ -346,24 +350,21 @@ def main() -> None:
     reduce_table(args)
 
 
-def reduce_table(args) -> None:
-    """The in-group sum's rows (:func:`reduce_rows`), printed and written to the docs."""
-    title, header, cells = reduce_rows(args.quick)
+def side_table(args, rows, marker: str) -> None:
+    """A side-by-side table (:func:`reduce_rows` or :func:`update_rows`), printed and written
+    to the docs between ``marker``'s comments."""
+    title, header, cells = rows(args.quick)
     common.print_table(title, header, cells)
     if common.should_write(args):
-        common.write_table(
-            DOC, REDUCE_MARKER, f"{title}:\n\n{common.markdown_table(header, cells)}"
-        )
+        common.write_table(DOC, marker, f"{title}:\n\n{common.markdown_table(header, cells)}")
+
+
+def reduce_table(args) -> None:
+    side_table(args, reduce_rows, REDUCE_MARKER)
 
 
 def update_table(args) -> None:
-    """The grouped update's rows (:func:`update_rows`), printed and written to the docs."""
-    title, header, cells = update_rows(args.quick)
-    common.print_table(title, header, cells)
-    if common.should_write(args):
-        common.write_table(
-            DOC, UPDATE_MARKER, f"{title}:\n\n{common.markdown_table(header, cells)}"
-        )
+    side_table(args, update_rows, UPDATE_MARKER)
 
 
 def argparse_hidden():
