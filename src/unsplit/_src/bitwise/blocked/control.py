@@ -1,0 +1,135 @@
+"""The canonical-block rewrite's rules for equations with nested jaxprs.
+
+``cond``, ``while`` and ``scan`` run their bodies through the same rewrite (a
+loop's carry keeps the splits it settles on: split dims only spread, so a fixed
+point comes soon), a ``remat`` body under ``jax.checkpoint`` with its policy.
+They always go through the rewrite, also when no operand is split, so the float
+sums inside them are the rewrite's too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from unsplit._src.bitwise.blocked.rewrite import Dims, Rewrite, Unsupported, V
+
+
+def out_dims(rw: Rewrite, jaxpr, consts, ops: list[V]) -> list[Dims]:
+    """The splits of a nested jaxpr's outputs for these operands (traced, not run)."""
+    seen: list[Dims] = []
+
+    def run(*xs):
+        got = rw.run(jaxpr, consts, [V(x, v.dims) for x, v in zip(xs, ops, strict=True)])
+        seen.extend(v.dims for v in got)
+        return [v.value for v in got]
+
+    jax.make_jaxpr(run)(*[v.value for v in ops])
+    return seen
+
+
+def agree(options: list) -> list[Dims]:
+    """Per output, the split every option can be brought to (exactly): the common one, or
+    whole where the options differ."""
+    out = []
+    for per in zip(*options, strict=True):
+        split = {d for d in per if any(d)}
+        out.append(split.pop() if len(split) == 1 else ((),) * len(per[0]))
+    return out
+
+
+def local_fn(rw: Rewrite, jaxpr, consts, ops: list[V], dims, fixed=()):
+    """The nested jaxpr as a function of its blocks (``fixed``: leading operands closed
+    over), its outputs brought to ``dims``."""
+
+    def fn(*xs):
+        got = rw.run(
+            jaxpr, consts,
+            [*fixed, *(V(x, v.dims) for x, v in zip(xs, ops[len(fixed):], strict=True))],
+        )  # fmt: skip
+        return [rw.to_dims(v, d) for v, d in zip(got, dims, strict=True)]
+
+    return fn
+
+
+def fixed_point(rw: Rewrite, body, fixed: list[V], carry: list[V], extra=()) -> list[Dims]:
+    """The carry's splits a loop keeps: split dims only spread, so a fixed point comes soon
+    (``extra``: the body's other operands after the carry, e.g. a scan's slices)."""
+    for _ in range(len(carry) + 1):
+        dims = [v.dims for v in carry]
+        out = out_dims(rw, body.jaxpr, body.consts, [*fixed, *carry, *extra])[: len(carry)]
+        new = agree([dims, out])
+        if list(new) == dims:
+            return dims
+        carry[:] = [V(rw.to_dims(v, d), d) for v, d in zip(carry, new, strict=True)]
+    raise Unsupported("a loop whose carry's split does not settle")
+
+
+def cond(rw: Rewrite, eqn, vals):
+    index, *ops = vals
+    if any(index.dims):
+        raise Unsupported("a cond on a split predicate")
+    branches = eqn.params["branches"]
+    dims = agree([out_dims(rw, b.jaxpr, b.consts, ops) for b in branches])
+    fns = [local_fn(rw, b.jaxpr, b.consts, ops, dims) for b in branches]
+    outs = jax.lax.switch(index.value, fns, *[v.value for v in ops])
+    return [V(o, d) for o, d in zip(outs, dims, strict=True)]
+
+
+def while_loop(rw: Rewrite, eqn, vals):
+    p = eqn.params
+    cconsts, bconsts = vals[: p["cond_nconsts"]], vals[p["cond_nconsts"] :][: p["body_nconsts"]]
+    carry = list(vals[p["cond_nconsts"] + p["body_nconsts"] :])
+    body = p["body_jaxpr"]
+    dims = fixed_point(rw, body, list(bconsts), carry)
+    test_jaxpr = p["cond_jaxpr"]
+    test = local_fn(rw, test_jaxpr.jaxpr, test_jaxpr.consts, [*cconsts, *carry], [()], cconsts)
+    step = local_fn(rw, body.jaxpr, body.consts, [*bconsts, *carry], dims, bconsts)
+    out = jax.lax.while_loop(lambda c: test(*c)[0], lambda c: step(*c), [v.value for v in carry])
+    return [V(o, d) for o, d in zip(out, dims, strict=True)]
+
+
+def scan(rw: Rewrite, eqn, vals):
+    p = eqn.params
+    nconsts, ncarry = p["num_consts"], p["num_carry"]
+    consts, carry, xs = vals[:nconsts], list(vals[nconsts : nconsts + ncarry]), vals[nconsts + ncarry :]
+    if any(x.dims and x.dims[0] for x in xs):
+        raise Unsupported("a scan over a split dimension")
+    body = p["jaxpr"]
+    slices = [V(jax.ShapeDtypeStruct(np.shape(x.value)[1:], x.value.dtype), x.dims[1:]) for x in xs]
+    dims = fixed_point(rw, body, list(consts), carry, slices)
+    ys = out_dims(rw, body.jaxpr, body.consts, [*consts, *carry, *slices])[ncarry:]
+    step = local_fn(rw, body.jaxpr, body.consts, [*consts, *carry, *slices], [*dims, *ys], consts)
+
+    def f(c, x):
+        out = step(*c, *x)
+        return out[:ncarry], out[ncarry:]
+
+    c, y = jax.lax.scan(
+        f, [v.value for v in carry], [x.value for x in xs], length=p["length"],
+        reverse=p["reverse"], unroll=p["unroll"],
+    )  # fmt: skip
+    return [*(V(o, d) for o, d in zip(c, dims, strict=True)), *(V(o, ((), *d)) for o, d in zip(y, ys, strict=True))]
+
+
+def remat(rw: Rewrite, eqn, vals):
+    p = eqn.params
+    body = p["jaxpr"]
+    dims = out_dims(rw, body, (), vals)
+    fn = local_fn(rw, body, (), vals, dims)
+    wrapped = jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])
+    outs = wrapped(*[v.value for v in vals])
+    return [V(o, d) for o, d in zip(outs, dims, strict=True)]
+
+
+
+
+RULES: dict[str, Any] = {
+    "cond": cond,
+    "while": while_loop,
+    "scan": scan,
+    "checkpoint": remat,
+    "remat": remat,
+}

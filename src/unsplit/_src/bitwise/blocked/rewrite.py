@@ -1,0 +1,281 @@
+"""A traced function run on each device's blocks, its sums over split dimensions canonical.
+
+A value of the evaluation is this device's block of a whole value and, per
+dimension, the mesh axes it is split over (:class:`V`). The names are what
+matter, not the axes' sizes: a dimension named ``model`` is treated the same on
+a mesh whose ``model`` axis has 1, 2, 4 or 8 devices. Every decision of the
+rewrite depends on the names and on the canonical block counts only, so every
+layout runs the same computation, cut differently over the devices:
+
+* elementwise ops, ``broadcast_in_dim``, ``transpose``, ``squeeze``,
+  ``expand_dims``, ``convert_element_type`` and a ``reshape`` that keeps the
+  canonical blocks of a split dimension whole run on the blocks (a whole operand
+  is sliced to the device's block: exact);
+* a **sum over a split dimension** (``reduce_sum``, a ``dot_general`` contracting
+  it) is computed as that dimension's canonical blocks (:func:`block_count`:
+  ``blocks`` of them, fewer when its size has fewer factors of two), each block's
+  partial an op of the same shape on every layout, the partials added in the
+  canonical tree over the block index (the device's own blocks first, an aligned
+  subtree, then the devices' partials all-gathered and added in the same tree:
+  :func:`unsplit._src.bitwise.fsdp.group_reduce.fixed_sum`). A split that does not
+  divide a dimension's block count is refused (:class:`BlockError`);
+* ``reduce_max`` / ``reduce_min`` (and ``and`` / ``or``) over a split dimension take
+  ``pmax`` / ``pmin`` (exact in any order);
+* ``jit``, ``custom_jvp`` and ``custom_vjp`` bodies are evaluated inline, ``cond``,
+  ``while`` and ``scan`` bodies through the same rewrite, a ``remat`` body under
+  ``jax.checkpoint`` with its policy;
+* any other equation with a split operand runs on **whole** operands (all-gathered:
+  exact data movement), its outputs whole on every device: the same computation at
+  every degree, at the cost of that op's memory split. :attr:`Rewrite.gathered`
+  records each such equation (inspection, tests); a caller that must not gather
+  (the optimizer update) sets ``gather_unsupported=False`` and gets
+  :class:`Unsupported` instead.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from unsplit._src.bitwise.blocked import rewrite
+    >>> x = jnp.arange(16.0) / 7
+    >>> sums = []
+    >>> for m in (1, 2, 4):
+    ...     gmesh = jax.make_mesh((m,), ("model",), devices=jax.devices()[:m])
+    ...     f = rewrite.program(lambda x: (jnp.sum(x * x),), gmesh, (x,), (P("model"),), (P(),))
+    ...     sums.append(np.asarray(f(x)[0]))
+    >>> bool(sums[0] == sums[1] == sums[2])
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.extend import core
+from jax.sharding import PartitionSpec as P
+
+from unsplit._src import partition
+from unsplit._src.bitwise.fsdp import group_reduce
+from unsplit._src.step import jaxpr_eval
+
+Dims = tuple[tuple[str, ...], ...]  # per dimension: the mesh axes it is split over
+
+DEFAULT_BLOCKS = 8
+
+# Primitives whose output element i reads only the operands' elements i.
+_ELEMENTWISE_NAMES = """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp
+    conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
+    floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
+    nextafter not or population_count pow real reduce_precision rem round rsqrt select_n
+    shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient
+    sub tan tanh xor"""
+_ELEMENTWISE = frozenset(_ELEMENTWISE_NAMES.split())
+_INLINED = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+     "custom_vjp_call_jaxpr"}
+)  # fmt: skip
+
+
+class Unsupported(Exception):
+    """An equation the rewrite does not run on split dimensions (the message says which)."""
+
+
+class BlockError(ValueError):
+    """A split that does not divide a dimension's canonical block count."""
+
+
+class V(NamedTuple):
+    """A value of the evaluation: this device's block and how its dimensions are split."""
+
+    value: Any
+    dims: Dims
+
+
+def replicated(x: Any) -> V:
+    return V(x, ((),) * np.ndim(x))
+
+
+def dims_of(spec: P, ndim: int) -> Dims:
+    """A value's split dimensions from its spec."""
+    entries = (*spec, *([None] * (ndim - len(spec))))
+    return tuple(partition.names(e) for e in entries)
+
+
+def block_count(size: int, blocks: int) -> int:
+    """The canonical blocks of a split dimension of ``size``: the largest power of two
+    dividing both ``size`` and ``blocks``."""
+    return math.gcd(size & -size, blocks & -blocks) if size else 1
+
+
+def program(
+    fn,
+    gmesh: jax.sharding.Mesh,
+    args: Sequence,
+    in_specs: Sequence,
+    out_specs: Any,
+    *,
+    blocks: int = DEFAULT_BLOCKS,
+    gather_unsupported: bool = True,
+):
+    """``jax.jit`` of ``fn`` run manual over ``gmesh`` with the canonical-block rewrite.
+
+    ``args`` are ``fn``'s arguments (arrays or shape-dtype structs: the whole
+    shapes), ``in_specs`` and ``out_specs`` trees of specs over ``gmesh``'s axes,
+    shaped like ``args`` and ``fn``'s outputs.
+    """
+    local, mapped_specs, unflatten = manual(
+        fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=gather_unsupported
+    )
+    ins, outs = mapped_specs
+    mapped = jax.shard_map(
+        local, mesh=gmesh, in_specs=tuple(ins), out_specs=list(outs), check_vma=False
+    )
+    run = jax.jit(lambda *trees: unflatten(mapped(*jax.tree.leaves(trees))))
+    run.trace(*args)  # raises Unsupported / BlockError now, not on the first call
+    return run
+
+
+def manual(fn, gmesh, args, in_specs, out_specs, *, blocks=DEFAULT_BLOCKS, gather_unsupported=True):
+    """``fn``'s per-device function for a ``shard_map`` over ``gmesh``: ``(local, (in
+    specs, out specs), unflatten)``; ``local`` takes and returns flat lists of blocks."""
+    whole = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in jax.tree.leaves(args)]
+    closed, shapes = jax.make_jaxpr(
+        lambda *leaves: fn(*jax.tree.unflatten(jax.tree.structure(args), leaves)),
+        return_shape=True,
+    )(*whole)
+    ins = _broadcast(tuple(in_specs), tuple(args))
+    outs = _broadcast(out_specs, shapes)
+
+    def local(*leaves):
+        rewrite = Rewrite(gmesh, blocks, gather_unsupported=gather_unsupported)
+        vals = [V(x, dims_of(s, np.ndim(x))) for x, s in zip(leaves, ins, strict=True)]
+        got = rewrite.run(closed.jaxpr, closed.consts, vals)
+        return [rewrite.to_dims(v, dims_of(s, len(v.dims))) for v, s in zip(got, outs, strict=True)]
+
+    return local, (ins, outs), jax.tree.structure(shapes).unflatten
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def _broadcast(specs: Any, tree: Any) -> list[P]:
+    """One spec per leaf of ``tree`` from ``specs``, a tree prefix of it."""
+    per = jax.tree.map(
+        lambda s, sub: [s] * len(jax.tree.leaves(sub)), specs, tree, is_leaf=_is_spec
+    )
+    return [s for group in jax.tree.leaves(per, is_leaf=lambda x: isinstance(x, list)) for s in group]
+
+
+def _as_int(collective, x, axes: tuple[str, ...]) -> Any:
+    """A boolean (or integer) reduction across ``axes`` done on int32 values."""
+    return collective(x.astype(np.int32), axes).astype(x.dtype)
+
+
+def _add(a, b):
+    return a + b
+
+
+class Rewrite:
+    """Per-equation rules on a mesh's blocks (see the module docstring)."""
+
+    def __init__(self, gmesh: jax.sharding.Mesh, blocks: int, *, gather_unsupported: bool = True):
+        self.gmesh = gmesh
+        self.axes = tuple(gmesh.axis_names)
+        self.blocks = blocks
+        self.gather_unsupported = gather_unsupported
+        self.gathered: list[str] = []  # the equations run on whole operands, by primitive
+
+    def size(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.gmesh.shape[a] for a in axes)
+
+    def run(self, jaxpr: core.Jaxpr, consts: Sequence, vals: Sequence[V]) -> list[V]:
+        out = jaxpr_eval.evaluate(jaxpr, [replicated(c) for c in consts], vals, self.equation)
+        return [v if isinstance(v, V) else replicated(v) for v in out]  # a literal output too
+
+    def equation(self, eqn: core.JaxprEqn, invals: list) -> Any:
+        # The rules import V and Rewrite from here.
+        from unsplit._src.bitwise.blocked import control, rules  # noqa: PLC0415
+
+        vals = [v if isinstance(v, V) else replicated(v) for v in invals]
+        name = eqn.primitive.name
+        split = any(any(v.dims) for v in vals)
+        if name in _INLINED:
+            body = next(
+                eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in eqn.params
+            )
+            if isinstance(body, core.ClosedJaxpr):
+                return self.run(body.jaxpr, body.consts, vals)
+            return self.run(body, (), vals)
+        if name in control.RULES:  # always: the sums inside are the rewrite's too
+            rule = control.RULES[name]
+        elif name == "reduce_sum" and not split:
+            return replicated(rules.summed(eqn, vals[0].value))
+        elif not split:  # every device holds the same whole values
+            return self.plain(eqn, vals)
+        elif name in _ELEMENTWISE:
+            return rules.elementwise(self, eqn, vals)
+        else:
+            rule = rules.RULES.get(name)
+        try:
+            if rule is None:
+                raise Unsupported(f"{name} on a split dimension")
+            return rule(self, eqn, vals)
+        except Unsupported:
+            if not self.gather_unsupported:
+                raise
+        self.gathered.append(name)
+        whole = [V(self.to_dims(v, ((),) * len(v.dims)), ((),) * len(v.dims)) for v in vals]
+        if name in control.RULES:
+            return control.RULES[name](self, eqn, whole)
+        return self.plain(eqn, whole)
+
+    def plain(self, eqn, vals: list[V]) -> Any:
+        out = jaxpr_eval.bind(eqn, [v.value for v in vals])
+        if eqn.primitive.multiple_results:
+            return [replicated(o) for o in out]
+        return replicated(out)
+
+    def whole_shape(self, v: V) -> tuple[int, ...]:
+        return tuple(n * self.size(d) for n, d in zip(np.shape(v.value), v.dims, strict=True))
+
+    def to_dims(self, v: V, dims: Dims) -> Any:
+        """``v``'s blocks split as ``dims`` says (exact: all-gathers and slices)."""
+        if v.dims == dims:
+            return v.value
+        shape = self.whole_shape(v)
+        moved = list(zip(v.dims, dims, strict=True))
+        gather = P(*(partition.entry(d) if d != t else None for d, t in moved))
+        x = group_reduce.gather(v.value, gather, self.axes)
+        cut = P(*(partition.entry(t) if d != t else None for d, t in moved))
+        block = tuple(n // self.size(t) for n, t in zip(shape, dims, strict=True))
+        return group_reduce.block_of(x, cut, block, self.gmesh.shape, lambda n: None, self.axes)
+
+    def local_blocks(self, size: int, axes: tuple[str, ...]) -> int:
+        """How many of a dimension's canonical blocks (whole ``size``, split over ``axes``)
+        each device holds; refuses a split that does not divide them."""
+        count, devices = block_count(size, self.blocks), self.size(axes)
+        if count % devices:
+            raise BlockError(
+                f"a dimension of size {size} split over {axes} ({devices} devices) has "
+                f"{count} canonical blocks (blocks={self.blocks}), which {devices} devices "
+                "cannot share: its sums would depend on the degree. Fix: a degree that "
+                f"divides {count} (a power of two), or a dimension whose size and the "
+                "`blocks` option have more factors of two in common."
+            )
+        return count // devices
+
+    def tree_sum(self, x: Any, dim: int, axes: tuple[str, ...]) -> Any:
+        """``x``'s local canonical blocks along ``dim`` added in the canonical tree, then the
+        devices' partials over ``axes`` (all-gathered, in the axes' order) in the same tree."""
+        x = jax.numpy.moveaxis(x, dim, 0)
+        local = group_reduce.fixed_sum(x, _add)
+        if self.size(axes) == 1:
+            return local
+        # Gathered flat: a 1-D collective puts no layout constraint on the values around it
+        # (a gathered N-D value got another layout than the one-device program's, and with
+        # it other simplifications of the ops next to it).
+        rows = jax.lax.all_gather(local.reshape(-1), partition.entry(axes), axis=0)
+        return group_reduce.fixed_sum(rows, _add).reshape(local.shape)
