@@ -60,6 +60,7 @@ def program_key(
         plan.local_specs,
         plan.group_axes,
         plan.chunk_axes,
+        plan.canonical_blocks,
         devices.shape,
         tuple(d.id for d in devices.flat),
         treedef,

@@ -123,6 +123,12 @@ class Plan:
     chunks: int  # in the global batch
     per_group: int  # chunks per group
     slots: int  # partial sums a group holds at most
+    canonical_blocks: int = 8  # blocks of a dimension a model or sequence axis splits
+
+    @property
+    def model_axes(self) -> tuple[str, ...]:
+        """The group axes that are not chunk axes: model and sequence axes."""
+        return tuple(a for a in self.group_axes if a not in self.chunk_axes)
 
     @property
     def groups(self) -> int:
@@ -161,6 +167,8 @@ def make_plan(
     size: int,
     chunk: int,
     chunk_axes: tuple[str, ...] = (),
+    *,
+    blocks: int = 8,
 ) -> tuple[Plan, list[Any]]:
     """The plan for these inputs, and the params' array leaves (on the layout's mesh)."""
     structure, arrays = sums.Params.split(params)
@@ -209,6 +217,7 @@ def make_plan(
         chunks=chunks,
         per_group=per_group,
         slots=slots,
+        canonical_blocks=blocks,
     )
     return plan, arrays
 

@@ -38,6 +38,7 @@ from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import canonical_dots, placement, reduce
 from unsplit._src.bitwise import plan as bitwise_plan
+from unsplit._src.bitwise.blocked import chunk as blocked_chunk
 from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import sums
@@ -132,6 +133,11 @@ class GroupIO:
         chunk axes; the devices' sums are added in a fixed order. Otherwise ``fn`` runs
         on the whole chunk (the group's one SPMD program).
         """
+        if self.plan.model_axes and not self.plan.chunk_axes:
+            assert self.gmesh is not None  # model axes are group axes
+            return blocked_chunk.chunk_sums(
+                self.plan, self.gmesh, fn, vectors, rows, key, self.plan.canonical_blocks
+            )
         arrays = self.unpack(vectors)
         if self.reducer is not None:
             return self.reducer.chunk_sums(fn, arrays, rows, key)

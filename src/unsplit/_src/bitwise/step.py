@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src.bitwise import accelerators, schedule
 from unsplit._src.bitwise import plan as bitwise_plan
+from unsplit._src.bitwise.blocked import paired
 from unsplit._src.bitwise.coupled_runner import CoupledRunner
 from unsplit._src.bitwise.runner import Runner
 from unsplit._src.step import sums
@@ -56,7 +57,10 @@ class BitwiseStep:
 
     def __init__(self, spec: sums.LossSpec, layout: Layout, options: Any):
         self.spec = spec
+        self.options = options
         self.chunk_size = options.chunk_size  # validated by unsplit.Bitwise
+        self.blocks = options.blocks
+        self._twin: BitwiseStep | None = None  # degree-1 model layouts run on it at degree 2
         mesh_axes = tuple(layout.mesh.axis_names) if layout.mesh is not None else ()
         self.chunk_axes = bitwise_plan.check_chunk_axes(
             options.chunk_axes, layout.batch_axes, mesh_axes
@@ -144,12 +148,30 @@ class BitwiseStep:
                 size, chunk, self.layout.shards, self.chunk_split, self.chunk_axes
             )
             plan, _ = bitwise_plan.make_plan(
-                self.spec, self.layout, params, batch, key, size, chunk, self.chunk_axes
+                self.spec, self.layout, params, batch, key, size, chunk, self.chunk_axes,
+                blocks=self.blocks,
             )
             schedule.warn_gathered(plan, self.layout.batch_axes, self.chunk_axes, self._warned)
-            state = (CoupledRunner if self.spec.coupled else Runner)(self, plan)
+            state = self._paired(plan) or (CoupledRunner if self.spec.coupled else Runner)(
+                self, plan
+            )
             self._plans[signature] = state
         return state
+
+
+    def _paired(self, plan) -> Any:
+        """A degree-1 model-parallel plan's runner at degree 2 (:mod:`.blocked.paired`), or
+        None (no model axes, several devices per group already, or no second device)."""
+        if not plan.model_axes or plan.chunk_axes or plan.devices_per_group > 1:
+            return None
+        mesh = self.layout.required_mesh()
+        twin = paired.paired_mesh(mesh, self.layout.batch_axes, plan.model_axes[0])
+        if twin is None:
+            paired.warn_unpaired(plan.model_axes, self._warned)
+            return None
+        if self._twin is None:
+            self._twin = BitwiseStep(self.spec, Layout(twin, self.layout.batch_axes), self.options)
+        return paired.Paired(self._twin, mesh, self.single, plan.given, plan.structure.diff)
 
 
 def _batch_signature(batch: Any, key: Any) -> tuple:

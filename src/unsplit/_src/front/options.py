@@ -40,6 +40,12 @@ class Bitwise:
         chunk_axes: batch axes (a name or a tuple, the last of ``batch_axes``)
             whose devices compute each chunk together (FSDP groups): params stay
             sharded over them and the bits are fixed by the group's size.
+        blocks: the canonical blocks of a dimension that a model-parallel or
+            sequence axis splits (a power of two; fewer for a dimension whose size
+            has fewer factors of two): every dot and sum over such a dimension is
+            computed per block and the blocks added in a fixed tree, so the bits are
+            the same at every degree that divides them (8: tensor, sequence and
+            expert degrees 1, 2, 4 and 8).
 
     Example:
         >>> import jax, jax.numpy as jnp, unsplit
@@ -50,11 +56,12 @@ class Bitwise:
         >>> step = unsplit.value_and_grad(loss_fn, bitwise=unsplit.Bitwise(chunk_size=8))
         >>> loss, grads = step(w, x, jax.random.key(0))
         >>> step.options.bitwise
-        Bitwise(chunk_size=8, chunk_axes=None)
+        Bitwise(chunk_size=8, chunk_axes=None, blocks=8)
     """
 
     chunk_size: int | None = None
     chunk_axes: str | tuple[str, ...] | None = None
+    blocks: int = 8
 
     def __post_init__(self):
         object.__setattr__(
@@ -76,6 +83,16 @@ class Bitwise:
                 "Fix: e.g. chunk_axes='fsdp' (one of batch_axes)."
             )
         object.__setattr__(self, "chunk_axes", axes)
+        blocks = validate.check_positive_int(
+            "blocks", self.blocks, meaning="canonical blocks of a model-parallel dimension"
+        )
+        assert blocks is not None  # not allow_none
+        if blocks & (blocks - 1):
+            raise ValueError(
+                f"Bitwise(blocks=...) must be a power of two (its divisors are the degrees whose "
+                f"bits agree); got {blocks=}. Fix: e.g. blocks=8 (degrees 1, 2, 4, 8) or 16."
+            )
+        object.__setattr__(self, "blocks", blocks)
 
 
 @dataclasses.dataclass(frozen=True)
