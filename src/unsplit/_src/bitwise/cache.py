@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from unsplit._src.bitwise import placement, programs, relocate
+from unsplit._src.bitwise.blocked import chunk as blocked_chunk
 from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import memory, sums
@@ -61,6 +62,7 @@ def program_key(
         plan.group_axes,
         plan.chunk_axes,
         plan.canonical_blocks,
+        blocked_chunk.ENABLED,
         devices.shape,
         tuple(d.id for d in devices.flat),
         treedef,

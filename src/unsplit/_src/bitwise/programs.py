@@ -127,13 +127,9 @@ class GroupIO:
 
     def sums(self, fn, vectors, rows, key):
         """``fn(params, rows, key) -> (grads, loss_sum, weight, aux)`` of one chunk as packed
-        sums (each device its blocks) and its aux.
-
-        FSDP groups: ``fn`` runs per device on its rows with the params whole over the
-        chunk axes; the devices' sums are added in a fixed order. Otherwise ``fn`` runs
-        on the whole chunk (the group's one SPMD program).
-        """
-        if self.plan.model_axes and not self.plan.chunk_axes:
+        sums (each device its blocks) and its aux: model-parallel groups by the canonical-block
+        rewrite, FSDP groups per device on its rows (their sums added in a fixed order)."""
+        if self.plan.model_axes and not self.plan.chunk_axes and blocked_chunk.ENABLED:
             assert self.gmesh is not None  # model axes are group axes
             return blocked_chunk.chunk_sums(
                 self.plan, self.gmesh, fn, vectors, rows, key, self.plan.canonical_blocks
@@ -203,13 +199,9 @@ class GroupIO:
 
 
 def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
-    """One chunk's packed partial sums (and its aux), on group ``group``'s devices.
-
-    Its inputs are one chunk (``chunk_size`` rows), so it is the same program
-    for every schedule: measured, a loop over a group's chunks inside one
-    program got other bits when the group's share (the loop's input shapes)
-    changed.
-    """
+    """One chunk's packed partial sums (and its aux), on group ``group``'s devices: the same
+    program for every schedule (a loop over a group's chunks in one program got other bits
+    when the group's share changed); model-parallel groups': :mod:`.blocked.chunk`."""
     io = GroupIO(plan, group)
     # The loss's shardings name the user's mesh: moved onto the group's (step/constraints).
     spec = io.retargeted(spec)

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src.bitwise import accelerators, schedule
 from unsplit._src.bitwise import plan as bitwise_plan
+from unsplit._src.bitwise.blocked import chunk as blocked_chunk
 from unsplit._src.bitwise.blocked import paired
 from unsplit._src.bitwise.coupled_runner import CoupledRunner
 from unsplit._src.bitwise.runner import Runner
@@ -162,7 +163,9 @@ class BitwiseStep:
     def _paired(self, plan) -> Any:
         """A degree-1 model-parallel plan's runner at degree 2 (:mod:`.blocked.paired`), or
         None (no model axes, several devices per group already, or no second device)."""
-        if not plan.model_axes or plan.chunk_axes or plan.devices_per_group > 1:
+        if not (plan.model_axes and blocked_chunk.ENABLED) or plan.chunk_axes or self.spec.coupled:
+            return None
+        if plan.devices_per_group > 1:
             return None
         mesh = self.layout.required_mesh()
         twin = paired.paired_mesh(mesh, self.layout.batch_axes, plan.model_axes[0])

@@ -34,8 +34,10 @@ from unsplit._src import partition
 from unsplit._src.bitwise.blocked import rewrite
 from unsplit._src.bitwise.blocked.rewrite import V
 
-# The axis a one-device group's program gets, pairing its device with another.
-PAIR = "_pair"
+# Model-parallel groups compute with the canonical-block rewrite (True) or as XLA's SPMD
+# program of the group (False: bits only at the same degree). A switch for tests' negative
+# controls and measurements, not a setting.
+ENABLED = True
 
 
 def whole_shapes(plan: Any) -> list[jax.ShapeDtypeStruct]:
@@ -44,7 +46,10 @@ def whole_shapes(plan: Any) -> list[jax.ShapeDtypeStruct]:
     out = []
     for shape, dtype, spec in zip(flat.shapes, flat.dtypes, plan.local_specs, strict=True):
         dims = rewrite.dims_of(spec, len(shape))
-        whole = tuple(n * math.prod(plan.compute.shape[a] for a in d) for n, d in zip(shape, dims))
+        whole = tuple(
+            n * math.prod(plan.compute.shape[a] for a in d)
+            for n, d in zip(shape, dims, strict=True)
+        )
         out.append(jax.ShapeDtypeStruct(whole, dtype))
     return out
 
@@ -63,7 +68,9 @@ def chunk_sums(plan: Any, gmesh: jax.sharding.Mesh, fn, vectors, rows, key, bloc
     closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(*shapes)
     _, aux_shapes = out_shapes[:3], out_shapes[3]
     row_leaves, row_tree = jax.tree.flatten((rows, key))
-    param_dims = [rewrite.dims_of(s, len(w.shape)) for s, w in zip(plan.local_specs, whole)]
+    param_dims = [
+        rewrite.dims_of(s, len(w.shape)) for s, w in zip(plan.local_specs, whole, strict=True)
+    ]
     gentry = partition.entry(plan.group_axes)
 
     def local(vectors, row_leaves):

@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from unsplit._src.bitwise.blocked.rewrite import Dims, Rewrite, Unsupported, V
+from unsplit._src.bitwise.blocked.values import Dims, Unsupported, V
 
 
-def out_dims(rw: Rewrite, jaxpr, consts, ops: list[V]) -> list[Dims]:
+def out_dims(rw, jaxpr, consts, ops: list[V]) -> list[Dims]:
     """The splits of a nested jaxpr's outputs for these operands (traced, not run)."""
     seen: list[Dims] = []
 
@@ -40,7 +40,7 @@ def agree(options: list) -> list[Dims]:
     return out
 
 
-def local_fn(rw: Rewrite, jaxpr, consts, ops: list[V], dims, fixed=()):
+def local_fn(rw, jaxpr, consts, ops: list[V], dims, fixed=()):
     """The nested jaxpr as a function of its blocks (``fixed``: leading operands closed
     over), its outputs brought to ``dims``."""
 
@@ -54,7 +54,7 @@ def local_fn(rw: Rewrite, jaxpr, consts, ops: list[V], dims, fixed=()):
     return fn
 
 
-def fixed_point(rw: Rewrite, body, fixed: list[V], carry: list[V], extra=()) -> list[Dims]:
+def fixed_point(rw, body, fixed: list[V], carry: list[V], extra=()) -> list[Dims]:
     """The carry's splits a loop keeps: split dims only spread, so a fixed point comes soon
     (``extra``: the body's other operands after the carry, e.g. a scan's slices)."""
     for _ in range(len(carry) + 1):
@@ -67,7 +67,7 @@ def fixed_point(rw: Rewrite, body, fixed: list[V], carry: list[V], extra=()) -> 
     raise Unsupported("a loop whose carry's split does not settle")
 
 
-def cond(rw: Rewrite, eqn, vals):
+def cond(rw, eqn, vals):
     index, *ops = vals
     if any(index.dims):
         raise Unsupported("a cond on a split predicate")
@@ -78,7 +78,7 @@ def cond(rw: Rewrite, eqn, vals):
     return [V(o, d) for o, d in zip(outs, dims, strict=True)]
 
 
-def while_loop(rw: Rewrite, eqn, vals):
+def while_loop(rw, eqn, vals):
     p = eqn.params
     cconsts, bconsts = vals[: p["cond_nconsts"]], vals[p["cond_nconsts"] :][: p["body_nconsts"]]
     carry = list(vals[p["cond_nconsts"] + p["body_nconsts"] :])
@@ -91,10 +91,14 @@ def while_loop(rw: Rewrite, eqn, vals):
     return [V(o, d) for o, d in zip(out, dims, strict=True)]
 
 
-def scan(rw: Rewrite, eqn, vals):
+def scan(rw, eqn, vals):
     p = eqn.params
     nconsts, ncarry = p["num_consts"], p["num_carry"]
-    consts, carry, xs = vals[:nconsts], list(vals[nconsts : nconsts + ncarry]), vals[nconsts + ncarry :]
+    consts, carry, xs = (
+        vals[:nconsts],
+        list(vals[nconsts : nconsts + ncarry]),
+        vals[nconsts + ncarry :],
+    )
     if any(x.dims and x.dims[0] for x in xs):
         raise Unsupported("a scan over a split dimension")
     body = p["jaxpr"]
@@ -111,10 +115,13 @@ def scan(rw: Rewrite, eqn, vals):
         f, [v.value for v in carry], [x.value for x in xs], length=p["length"],
         reverse=p["reverse"], unroll=p["unroll"],
     )  # fmt: skip
-    return [*(V(o, d) for o, d in zip(c, dims, strict=True)), *(V(o, ((), *d)) for o, d in zip(y, ys, strict=True))]
+    return [
+        *(V(o, d) for o, d in zip(c, dims, strict=True)),
+        *(V(o, ((), *d)) for o, d in zip(y, ys, strict=True)),
+    ]
 
 
-def remat(rw: Rewrite, eqn, vals):
+def remat(rw, eqn, vals):
     p = eqn.params
     body = p["jaxpr"]
     dims = out_dims(rw, body, (), vals)
@@ -124,12 +131,11 @@ def remat(rw: Rewrite, eqn, vals):
     return [V(o, d) for o, d in zip(outs, dims, strict=True)]
 
 
-
-
 RULES: dict[str, Any] = {
     "cond": cond,
     "while": while_loop,
     "scan": scan,
     "checkpoint": remat,
     "remat": remat,
+    "remat2": remat,
 }

@@ -19,8 +19,8 @@ Example:
     >>> import jax
     >>> from unsplit._src.bitwise.blocked import paired
     >>> mesh = jax.make_mesh((8, 1), ("data", "model"))
-    >>> paired.paired_mesh(mesh, ("data",), "model").shape
-    OrderedDict({'data': 4, 'model': 2})
+    >>> dict(paired.paired_mesh(mesh, ("data",), "model").shape)
+    {'data': 4, 'model': 2}
 """
 
 from __future__ import annotations
@@ -55,9 +55,7 @@ def paired_mesh(mesh: Mesh, batch_axes: tuple[str, ...], axis: str) -> Mesh | No
         spare = [d for d in jax.local_devices() if d != grid.flat[0]]
         if not spare:
             return None
-        devices = np.array([grid.flat[0], spare[0]]).reshape(
-            [2 if n == axis else 1 for n in names]
-        )
+        devices = np.array([grid.flat[0], spare[0]]).reshape([2 if n == axis else 1 for n in names])
     else:
         return None
     return Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)

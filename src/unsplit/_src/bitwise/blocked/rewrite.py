@@ -37,8 +37,9 @@ Example:
     >>> from unsplit._src.bitwise.blocked import rewrite
     >>> x = jnp.arange(16.0) / 7
     >>> sums = []
-    >>> for m in (1, 2, 4):
-    ...     gmesh = jax.make_mesh((m,), ("model",), devices=jax.devices()[:m])
+    >>> for m in (2, 4, 8):
+    ...     gmesh = jax.make_mesh((m,), ("model",), devices=jax.devices()[:m],
+    ...                           axis_types=(jax.sharding.AxisType.Auto,))
     ...     f = rewrite.program(lambda x: (jnp.sum(x * x),), gmesh, (x,), (P("model"),), (P(),))
     ...     sums.append(np.asarray(f(x)[0]))
     >>> bool(sums[0] == sums[1] == sums[2])
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -57,12 +58,21 @@ from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
+from unsplit._src.bitwise.blocked import control, rules
+from unsplit._src.bitwise.blocked.values import (
+    DEFAULT_BLOCKS,
+    BlockError,
+    Dims,
+    Unsupported,
+    V,
+    block_count,
+    dims_of,
+    replicated,
+)
 from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.step import jaxpr_eval
 
-Dims = tuple[tuple[str, ...], ...]  # per dimension: the mesh axes it is split over
-
-DEFAULT_BLOCKS = 8
+__all__ = ["BlockError", "Rewrite", "Unsupported", "V", "dims_of", "program", "replicated"]
 
 # Primitives whose output element i reads only the operands' elements i.
 _ELEMENTWISE_NAMES = """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp
@@ -78,35 +88,12 @@ _INLINED = frozenset(
 )  # fmt: skip
 
 
-class Unsupported(Exception):
-    """An equation the rewrite does not run on split dimensions (the message says which)."""
+_ANNOTATIONS = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
 
 
-class BlockError(ValueError):
-    """A split that does not divide a dimension's canonical block count."""
-
-
-class V(NamedTuple):
-    """A value of the evaluation: this device's block and how its dimensions are split."""
-
-    value: Any
-    dims: Dims
-
-
-def replicated(x: Any) -> V:
-    return V(x, ((),) * np.ndim(x))
-
-
-def dims_of(spec: P, ndim: int) -> Dims:
-    """A value's split dimensions from its spec."""
-    entries = (*spec, *([None] * (ndim - len(spec))))
-    return tuple(partition.names(e) for e in entries)
-
-
-def block_count(size: int, blocks: int) -> int:
-    """The canonical blocks of a split dimension of ``size``: the largest power of two
-    dividing both ``size`` and ``blocks``."""
-    return math.gcd(size & -size, blocks & -blocks) if size else 1
+def _plain_literal(value: Any) -> Any:
+    """A literal's value without the mesh its type was traced on (a plain NumPy array)."""
+    return np.asarray(value).view(np.ndarray) if isinstance(value, np.ndarray) else value
 
 
 def program(
@@ -166,7 +153,9 @@ def _broadcast(specs: Any, tree: Any) -> list[P]:
     per = jax.tree.map(
         lambda s, sub: [s] * len(jax.tree.leaves(sub)), specs, tree, is_leaf=_is_spec
     )
-    return [s for group in jax.tree.leaves(per, is_leaf=lambda x: isinstance(x, list)) for s in group]
+    return [
+        s for group in jax.tree.leaves(per, is_leaf=lambda x: isinstance(x, list)) for s in group
+    ]
 
 
 def _as_int(collective, x, axes: tuple[str, ...]) -> Any:
@@ -192,13 +181,12 @@ class Rewrite:
         return math.prod(self.gmesh.shape[a] for a in axes)
 
     def run(self, jaxpr: core.Jaxpr, consts: Sequence, vals: Sequence[V]) -> list[V]:
-        out = jaxpr_eval.evaluate(jaxpr, [replicated(c) for c in consts], vals, self.equation)
+        out = jaxpr_eval.evaluate(
+            jaxpr, [replicated(c) for c in consts], vals, self.equation, literal=_plain_literal
+        )
         return [v if isinstance(v, V) else replicated(v) for v in out]  # a literal output too
 
     def equation(self, eqn: core.JaxprEqn, invals: list) -> Any:
-        # The rules import V and Rewrite from here.
-        from unsplit._src.bitwise.blocked import control, rules  # noqa: PLC0415
-
         vals = [v if isinstance(v, V) else replicated(v) for v in invals]
         name = eqn.primitive.name
         split = any(any(v.dims) for v in vals)
@@ -209,10 +197,12 @@ class Rewrite:
             if isinstance(body, core.ClosedJaxpr):
                 return self.run(body.jaxpr, body.consts, vals)
             return self.run(body, (), vals)
+        if name in _ANNOTATIONS:  # always: they name the split dims of activations
+            return self.annotated(eqn, vals[0])
         if name in control.RULES:  # always: the sums inside are the rewrite's too
             rule = control.RULES[name]
         elif name == "reduce_sum" and not split:
-            return replicated(rules.summed(eqn, vals[0].value))
+            return replicated(rules.summed(self, eqn, vals[0].value))
         elif not split:  # every device holds the same whole values
             return self.plain(eqn, vals)
         elif name in _ELEMENTWISE:
@@ -232,8 +222,31 @@ class Rewrite:
             return control.RULES[name](self, eqn, whole)
         return self.plain(eqn, whole)
 
+    def bind(self, eqn, values: Sequence, params: dict | None = None) -> Any:
+        """``eqn``'s primitive on local values: its params' shardings dropped (the values are
+        one device's blocks inside the manual region, not arrays on a mesh)."""
+        params = dict(eqn.params if params is None else params)
+        for k in ("sharding", "out_sharding"):
+            if params.get(k) is not None:
+                params[k] = None
+        return jaxpr_eval.bind(eqn, values, params)
+
+    def annotated(self, eqn, x: V) -> V:
+        """A sharding annotation of the loss: the value split as it says over this mesh's
+        axes (exact), its other axes dropped (data parallel here)."""
+        sharding = eqn.params.get("sharding", eqn.params.get("dst_sharding"))
+        spec = getattr(sharding, "spec", sharding)
+        if spec is None:
+            return x
+        entries = (*spec, *([None] * (len(x.dims) - len(spec))))
+        dims = tuple(
+            d if e is P.UNCONSTRAINED else tuple(n for n in partition.names(e) if n in self.axes)
+            for e, d in zip(entries, x.dims, strict=True)
+        )
+        return V(self.to_dims(x, dims), dims)
+
     def plain(self, eqn, vals: list[V]) -> Any:
-        out = jaxpr_eval.bind(eqn, [v.value for v in vals])
+        out = self.bind(eqn, [v.value for v in vals])
         if eqn.primitive.multiple_results:
             return [replicated(o) for o in out]
         return replicated(out)

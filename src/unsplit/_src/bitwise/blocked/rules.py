@@ -16,11 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from unsplit._src.bitwise.blocked.rewrite import Dims, Rewrite, Unsupported, V, block_count
-from unsplit._src.step import jaxpr_eval
+from unsplit._src.bitwise.blocked.values import Dims, Unsupported, V, block_count
 
 
-def elementwise(rw: Rewrite, eqn, vals: list[V]) -> Any:
+def elementwise(rw, eqn, vals: list[V]) -> Any:
     ranked = [v for v in vals if v.dims]  # a rank-0 operand (select_n's, clamp's) as it is
     split: list[tuple[str, ...]] = []
     for k in range(len(ranked[0].dims)):  # each dim split as the first operand splits it,
@@ -36,15 +35,15 @@ def elementwise(rw: Rewrite, eqn, vals: list[V]) -> Any:
         return rw.to_dims(v, tuple(t if n != 1 else () for t, n in sizes))
 
     args = [fit(v) if v.dims else v.value for v in vals]
-    out = jaxpr_eval.bind(eqn, args)
+    out = rw.bind(eqn, args)
     return [V(o, dims) for o in out] if eqn.primitive.multiple_results else V(out, dims)
 
 
-def _local_shape(rw: Rewrite, shape, dims: Dims) -> tuple[int, ...]:
+def _local_shape(rw, shape, dims: Dims) -> tuple[int, ...]:
     return tuple(n // rw.size(d) for n, d in zip(shape, dims, strict=True))
 
 
-def broadcast_in_dim(rw: Rewrite, eqn, vals):
+def broadcast_in_dim(rw, eqn, vals):
     (x, *rest) = vals
     if rest:
         raise Unsupported("broadcast_in_dim with dynamic shapes")
@@ -54,23 +53,23 @@ def broadcast_in_dim(rw: Rewrite, eqn, vals):
         dims[d] = x.dims[i] if np.shape(x.value)[i] * rw.size(x.dims[i]) == shape[d] else ()
     value = rw.to_dims(x, tuple(dims[d] for d in where))
     params = {**eqn.params, "shape": _local_shape(rw, shape, tuple(dims)), "sharding": None}
-    return V(jaxpr_eval.bind(eqn, [value], params), tuple(dims))
+    return V(rw.bind(eqn, [value], params), tuple(dims))
 
 
-def transpose(rw: Rewrite, eqn, vals):
+def transpose(rw, eqn, vals):
     (x,) = vals
     dims = tuple(x.dims[p] for p in eqn.params["permutation"])
-    return V(jaxpr_eval.bind(eqn, [x.value]), dims)
+    return V(rw.bind(eqn, [x.value]), dims)
 
 
-def squeeze(rw: Rewrite, eqn, vals):
+def squeeze(rw, eqn, vals):
     (x,) = vals
     gone = set(eqn.params["dimensions"])
     dims = tuple(d for k, d in enumerate(x.dims) if k not in gone)
-    return V(jaxpr_eval.bind(eqn, [x.value]), dims)
+    return V(rw.bind(eqn, [x.value]), dims)
 
 
-def reshape(rw: Rewrite, eqn, vals):
+def reshape(rw, eqn, vals):
     """A reshape that keeps each split dimension's canonical blocks whole: the output dim
     whose suffix product equals the split dim's takes its split (its size must be a
     multiple of the input dim's block count, so each block stays contiguous)."""
@@ -91,7 +90,7 @@ def reshape(rw: Rewrite, eqn, vals):
         rw.local_blocks(old[k], axes)  # the split must divide the blocks
         dims[to[0]] = axes
     params = {**eqn.params, "new_sizes": _local_shape(rw, new, tuple(dims)), "sharding": None}
-    return V(jaxpr_eval.bind(eqn, [x.value], params), tuple(dims))
+    return V(rw.bind(eqn, [x.value], params), tuple(dims))
 
 
 class Named(NamedTuple):
@@ -105,7 +104,7 @@ class Named(NamedTuple):
     out: int | None  # its index in the output, or None where the op sums over it
 
 
-def _blocks(rw: Rewrite, named: list[Named], operands: list[Any], op) -> Any:
+def _blocks(rw, named: list[Named], operands: list[Any], op) -> Any:
     """``op`` on each of this device's canonical blocks (one op of the block's shape per
     block, fenced by ``optimization_barrier`` so XLA neither merges nor refuses them), the
     blocks of summed dimensions added in the canonical tree (the device's own blocks, then
@@ -160,14 +159,14 @@ def tree_reduce(x: Any, axes) -> Any:
     return x
 
 
-def summed(eqn, x: Any) -> Any:
+def summed(rw, eqn, x: Any) -> Any:
     """A ``reduce_sum`` equation on ``x``: a float sum as :func:`tree_reduce`, else XLA's."""
     if jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating):
         return tree_reduce(x, eqn.params["axes"]).astype(eqn.outvars[0].aval.dtype)
-    return jaxpr_eval.bind(eqn, [x], _no_out_sharding(eqn.params))
+    return rw.bind(eqn, [x], _no_out_sharding(eqn.params))
 
 
-def reduce_sum(rw: Rewrite, eqn, vals):
+def reduce_sum(rw, eqn, vals):
     """Per canonical block of every split dimension: a reduce of the block's shape; the
     blocks of reduced dimensions added in the canonical tree."""
     (x,) = vals
@@ -180,18 +179,18 @@ def reduce_sum(rw: Rewrite, eqn, vals):
             count = rw.local_blocks(whole[k], axes)
             size = np.shape(x.value)[k] // count
             named.append(Named(k, None, axes, count, size, kept.index(k) if k in kept else None))
-    out = _blocks(rw, named, [x.value], lambda b: summed(eqn, b))
+    out = _blocks(rw, named, [x.value], lambda b: summed(rw, eqn, b))
     return V(out, tuple(x.dims[k] for k in kept))
 
 
 def _reduce_exact(collective):
-    def rule(rw: Rewrite, eqn, vals):
+    def rule(rw, eqn, vals):
         (x,) = vals
         reduced = set(eqn.params["axes"])
         params = {**eqn.params}
         if "out_sharding" in params:
             params["out_sharding"] = None
-        out = jaxpr_eval.bind(eqn, [x.value], params)
+        out = rw.bind(eqn, [x.value], params)
         dims = tuple(d for k, d in enumerate(x.dims) if k not in reduced)
         axes = tuple(a for a in rw.axes if any(a in x.dims[k] for k in reduced))
         return V(collective(out, axes) if axes else out, dims)
@@ -230,7 +229,7 @@ def _dot_dims(lhs: V, rhs: V, numbers) -> tuple[list, list]:
     return ldims, rdims
 
 
-def dot_general(rw: Rewrite, eqn, vals):
+def dot_general(rw, eqn, vals):
     """Per canonical block of every split dimension (contracted, batch or free): a dot of
     the block's shape; the blocks of contracted dimensions added in the canonical tree."""
     lhs, rhs = vals
@@ -261,7 +260,7 @@ def dot_general(rw: Rewrite, eqn, vals):
         if rdims[k]:
             add(None, k, rdims[k], rwhole[k], np.shape(rx)[k], len(lb) + len(lfree) + n)
     params = _no_out_sharding(eqn.params)
-    out = _blocks(rw, named, [lx, rx], lambda a, b: jaxpr_eval.bind(eqn, [a, b], params))
+    out = _blocks(rw, named, [lx, rx], lambda a, b: rw.bind(eqn, [a, b], params))
     dims = (*(ldims[i] for i in lb), *(ldims[k] for k in lfree), *(rdims[k] for k in rfree))
     return V(out, dims)
 
