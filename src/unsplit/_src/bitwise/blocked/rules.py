@@ -85,7 +85,10 @@ def reshape(rw, eqn, vals):
         to = [m for m in range(len(new)) if math.prod(new[m:]) == suffix and new[m] > 1]
         # Decided on the block count, never on the axes' sizes: every degree reshapes alike.
         count = block_count(old[k], rw.blocks)
-        if not to or math.prod(new[to[0] + 1 :]) % inner or new[to[0]] % count or dims[to[0]]:
+        # Each canonical block of the dimension (its elements, contiguous) must be whole rows
+        # of the output dimension that takes the split.
+        row = math.prod(new[to[0] + 1 :]) if to else 1
+        if not to or (old[k] // count * inner) % row or new[to[0]] % count or dims[to[0]]:
             raise Unsupported(f"reshape {old} -> {new} mixes the blocks of a split dimension")
         rw.local_blocks(old[k], axes)  # the split must divide the blocks
         dims[to[0]] = axes
