@@ -328,7 +328,7 @@ def test_large_gathered_params_warn_once_and_point_to_chunk_axes(monkeypatch):
         step(params, jax.tree.map(lambda x: x[:16], BATCH), GROUP_KEY)  # once per step
         grouped = unsplit.value_and_grad(
             WEIGHTED, weighted=True, mesh=mesh, batch_axes=("data", "fsdp"), bitwise=True,
-            chunk_axes="fsdp", chunk_size=4,
+            chunk_axes="fsdp", chunk_size=8,
         )  # fmt: skip
         grouped(params, batch, GROUP_KEY)  # params stay sharded: no warning
 

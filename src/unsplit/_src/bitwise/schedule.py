@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
 
 from unsplit._src import links, partition
+from unsplit._src.bitwise.blocked.values import block_count
 from unsplit._src.bitwise.plan import Plan
 
 # Bitwise mode warns once when params gathered over the batch axes exceed this, per device.
@@ -70,6 +72,28 @@ def warn_gathered(plan: Plan, batch_axes: tuple, chunk_axes: tuple, warned: set[
         "together with the params kept sharded over them (FSDP groups), e.g. "
         f"value_and_grad(..., bitwise=True, batch_axes=('data', 'fsdp'), "
         "chunk_axes='fsdp'); see " + links.doc_ref("bitwise", "fsdp-groups-chunk_axes") + ".",
+        stacklevel=5,
+    )
+
+
+def warn_group_size(plan: Plan, warned: set[str]) -> None:
+    """Once (``warned``): an FSDP group whose devices do not divide the chunk's row blocks
+    (its bits are then those of groups of its own size only)."""
+    if not plan.chunk_axes or "group size" in warned:
+        return
+    devices = math.prod(plan.compute.shape[a] for a in plan.chunk_axes)
+    count = block_count(max(plan.chunk // 2, 1), plan.canonical_blocks)
+    if count % devices == 0:
+        return
+    warned.add("group size")
+    fix = max(2 * devices, plan.chunk)
+    warnings.warn(
+        f"bitwise mode: FSDP groups of {devices} devices (chunk_axes={plan.chunk_axes}) at "
+        f"chunk_size={plan.chunk} and blocks={plan.canonical_blocks} have {count} row blocks of "
+        f"two or more rows, which {devices} devices cannot share: each device computes its "
+        f"{plan.chunk // devices} row(s) as one block, and the bits match groups of "
+        f"{devices} devices only. Fix: chunk_size={fix} (or a multiple: {devices} devices "
+        f"then share its blocks){'' if devices <= plan.canonical_blocks else f' and blocks={devices}'}.",
         stacklevel=5,
     )
 

@@ -149,16 +149,23 @@ class BitwiseStep:
                 size, chunk, self.layout.shards, self.chunk_split, self.chunk_axes
             )
             plan, _ = bitwise_plan.make_plan(
-                self.spec, self.layout, params, batch, key, size, chunk, self.chunk_axes,
+                self.spec,
+                self.layout,
+                params,
+                batch,
+                key,
+                size,
+                chunk,
+                self.chunk_axes,
                 blocks=self.blocks,
             )
             schedule.warn_gathered(plan, self.layout.batch_axes, self.chunk_axes, self._warned)
+            schedule.warn_group_size(plan, self._warned)
             state = self._paired(plan) or (CoupledRunner if self.spec.coupled else Runner)(
                 self, plan
             )
             self._plans[signature] = state
         return state
-
 
     def _paired(self, plan) -> Any:
         """A degree-1 model-parallel plan's runner at degree 2 (:mod:`.blocked.paired`), or

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
 from unsplit._src.bitwise import reduce
+from unsplit._src.bitwise.blocked import rewrite, values
 from unsplit._src.bitwise.flat import FlatPlan
 
 # FSDP groups add their devices' partial sums in unsplit's fixed order (True) or leave
@@ -140,15 +141,43 @@ class GroupReduce:
             check_vma=False,
         )(list(arrays), rows, key)
 
+    def row_blocks(self) -> int:
+        """How many canonical row blocks each device computes, one after the other.
+
+        A chunk has ``block_count(chunk / 2, blocks)`` row blocks of at least two rows
+        (one-row blocks gave other bits next to each other than alone: XLA fuses a
+        one-row weight gradient, a product, into the adds after it), shared by the
+        group's devices, so groups of 2, 4 or 8 devices give the same bits (each block
+        one computation of the same shape). A group with more devices than blocks
+        computes one block per device (:func:`warn_group_size` says so).
+        """
+        count = values.block_count(max(self.plan.chunk // 2, 1), self.plan.canonical_blocks)
+        return count // self.size if count % self.size == 0 else 1
+
     def chunk_sums(self, fn, arrays, rows, key):
         """A chunk's packed sums (each device its blocks) and its aux (rows split).
 
         ``fn(params, rows, key) -> (grads, loss_sum, weight, aux)`` computes one
-        device's rows with the params whole over the chunk axes.
+        device's rows with the params whole over the chunk axes, one canonical row
+        block at a time (:meth:`row_blocks`, fenced from each other), their sums added
+        in the canonical tree.
         """
+        count = self.row_blocks()
+        canonical = rewrite.explicit_sums(fn)
 
         def partial(full, rows, key):
-            grads, loss_sum, weight, aux = fn(full, rows, key)
+            n = jax.tree.leaves(rows)[0].shape[0] // count
+            parts = []
+            for b in range(count):
+                block = jax.tree.map(lambda x, b=b: x[b * n : (b + 1) * n], rows)
+                full_b, block = jax.lax.optimization_barrier((full, block))
+                parts.append(jax.lax.optimization_barrier(canonical(full_b, block, key)))
+            grads, loss_sum, weight = (
+                [fixed_sum(jnp.stack(g), _add) for g in zip(*(p[0] for p in parts), strict=True)],
+                fixed_sum(jnp.stack([p[1] for p in parts]), _add),
+                fixed_sum(jnp.stack([p[2] for p in parts]), _add),
+            )
+            aux = jax.tree.map(lambda *xs: jnp.concatenate(xs), *(p[3] for p in parts))
             return [g[None] for g in grads], loss_sum[None], weight[None], aux
 
         each = P(self.centry)

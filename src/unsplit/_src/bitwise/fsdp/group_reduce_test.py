@@ -113,6 +113,20 @@ def test_a_group_of_g_gives_the_bits_of_one_device_groups_with_chunks_of_c_over_
     assert unsplit.testing.bits_equal(grouped, small)
 
 
+def test_groups_of_2_4_and_8_devices_give_the_same_bits_at_one_chunk_size():
+    # A chunk of 16 rows is 8 row blocks of 2 rows: 4, 2 or 1 of them per device.
+    two, four, eight = (run(mesh_of(1, g), "fsdp", 16)[0] for g in (2, 4, 8))
+    assert unsplit.testing.bits_equal(two, four)
+    assert unsplit.testing.bits_equal(two, eight)
+    alone, _, _ = run(mesh_of(2, 4), None, 2)  # one-device groups with chunks of 2 rows
+    assert unsplit.testing.bits_equal(two, alone)
+
+
+def test_a_group_larger_than_the_row_blocks_warns_that_its_bits_are_its_own():
+    with pytest.warns(UserWarning, match=r"FSDP groups of 8 devices .* Fix: chunk_size=16"):
+        run(mesh_of(1, 8), "fsdp", 8)
+
+
 def test_every_kind_of_leaf_travels_and_the_step_is_close_to_default_mode():
     ((loss, aux), grads), _, (params, frozen, batch) = run(mesh_of(2, 4), "fsdp", 8)
     default = unsplit.value_and_grad(
