@@ -124,7 +124,7 @@ def audit(
 
 
 def audit_step(
-    fn: Callable, *args: Any, batch_argnums: Sequence[int] | None = None
+    fn: Callable, *args: Any, batch_argnums: Sequence[int] | None = None, frozen: Any = None
 ) -> list[Finding]:
     """Finds what makes an ordinary (batched) train step depend on its schedule; nothing runs.
 
@@ -150,6 +150,10 @@ def audit_step(
             --batch-args``); by default those whose array leaves all share one
             leading size (the first argument, the params, only if no other
             does).
+        frozen: frozen inputs (a text encoder, a LoRA base model), passed as the step
+            takes them: ``fn(*args, frozen=frozen)`` (an ``unsplit`` train function or a
+            default-mode step, or your own step with that keyword); traced as inputs,
+            never as the batch.
 
     Returns:
         The findings, in program order; ``[]`` when nothing was found.
@@ -172,6 +176,14 @@ def audit_step(
                 f"got {len(args)} arguments. Fix: index the batch among fn's positional arguments."
             )
         batch_argnums = tuple(i % len(args) for i in batch_argnums)
+    if frozen is not None:  # the last traced argument, passed by keyword; never the batch
+        if batch_argnums is None:
+            batch_argnums = audit_trace.infer_batch_argnums(args)
+        step, args = fn, (*args, frozen)
+
+        def fn(*traced):
+            return step(*traced[:-1], frozen=traced[-1])
+
     return check_step(fn, args, batch_argnums=batch_argnums)
 
 

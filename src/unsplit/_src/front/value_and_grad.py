@@ -298,19 +298,20 @@ class Step:
     def lower(
         self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, frozen: Any = None
     ):
-        """The compiled program a call with these inputs runs, lowered (default mode).
+        """The compiled program a call with these inputs runs, lowered; it takes the step's
+        arguments, ``frozen=`` included.
 
         Like ``jax.jit(f).lower(...)``: ``step.lower(...).compile()`` gives its
-        ``memory_analysis()`` and ``cost_analysis()``.
+        ``memory_analysis()``, ``cost_analysis()`` and ``as_text()``. Bitwise mode
+        runs several programs per step (a chunk program per chunk, the fixed-order
+        reduction): ``lower`` returns them as one object with the same methods, its
+        memory per device the step's peak over all of them
+        (``unsplit.testing.bitwise_cost`` has the breakdown). Nothing runs.
         """
         if not isinstance(self._engine, DefaultStep):
-            raise NotImplementedError(
-                "bitwise mode runs several programs per step (one per device group and the "
-                "fixed-order reduction); lower() describes default mode's single program. "
-                "Fix: unsplit.testing.bitwise_cost(step, params, batch, key) reads a bitwise "
-                "step's per-device memory and bytes sent from all its programs; or call "
-                "lower() on a bitwise=False step to inspect its program."
-            )
+            from unsplit._src.bitwise import cost
+
+            return cost.BitwiseLowered(self, (params, batch, key, ids), frozen)
         batch, ids = self._group(batch, ids)
         ids = self._inputs.check(params, batch, key, ids, frozen, audit=False)
         return self._engine.lower(frozen_lib.combine(params, frozen), batch, key, ids)
