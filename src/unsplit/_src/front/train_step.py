@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import optax
 
+from unsplit._src import keys as keys_lib
 from unsplit._src.bitwise.step import BitwiseStep
 from unsplit._src.bitwise.update import CanonicalUpdate, GroupedUpdate
 from unsplit._src.front.array_jit import ArrayJit, with_static, without_static
@@ -125,14 +126,15 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
     if not step.bitwise:
+        value_and_grad = step  # the keyword ``step`` below is the step number
 
-        def fused(params, opt_state, batch, key, ids=None, frozen=None):
-            out, grads = step(params, batch, key, ids, frozen=frozen)
+        def fused(params, opt_state, batch, key, ids=None, frozen=None, step=None):
+            out, grads = value_and_grad(params, batch, key, ids, frozen=frozen, step=step)
             params, opt_state = update(params, opt_state, grads)
             return out, params, opt_state
 
-        def fused_state(state, batch, key, ids=None, frozen=None):
-            out, grads = step(state.params, batch, key, ids, frozen=frozen)
+        def fused_state(state, batch, key, ids=None, frozen=None, step=None):
+            out, grads = value_and_grad(state.params, batch, key, ids, frozen=frozen, step=step)
             return out, update_state(state, grads)
 
         # The whole train step is one program: refuse it, before it runs, when it needs
@@ -216,6 +218,8 @@ class _Train:
             return self._call(*args, **kwargs)
 
     def _call(self, *args, **kwargs):
+        if kwargs.get("step") is not None:  # one type for every step number: no retrace
+            kwargs["step"] = keys_lib.step_number(kwargs["step"])
         if args and is_train_state(args[0]):
             state = args[0]
             if self.optimizer is not None and state.tx is not self.optimizer:
@@ -223,10 +227,10 @@ class _Train:
                     "train_step was given an optimizer and the TrainState has another tx. "
                     "Fix: pass one of them: unsplit.train_step(step) uses state.tx."
                 )
-            if len(args) + len(kwargs) - ("frozen" in kwargs) not in (3, 4):
+            if len(args) + len(kwargs) - ("frozen" in kwargs) - ("step" in kwargs) not in (3, 4):
                 raise TypeError(
-                    "with a TrainState, call train(state, batch, key, ids=None) (and frozen=...); got "
-                    f"{len(args)} positional and {len(kwargs)} keyword arguments."
+                    "with a TrainState, call train(state, batch, key, ids=None) (and frozen=..., "
+                    f"step=...); got {len(args)} positional and {len(kwargs)} keyword arguments."
                 )
             return self.with_state(*args, **kwargs)
         if self.optimizer is None:
@@ -249,12 +253,12 @@ class _BitwiseTrain:
         self._memo: dict = {}  # the step's programs and placed frozen (BitwiseStep.__call__)
         self._frozen: Any = None  # the frozen given last
 
-    def grads(self, params, batch, key, ids, frozen=None):
+    def grads(self, params, batch, key, ids, frozen=None, step=None):
         """The step's (out, grads, params); params (and frozen) re-placed only when new."""
         if params is not self._returned or frozen is not self._frozen:
             self._memo.clear()  # new params or frozen: the step looks at their layout again
         self._frozen = frozen
-        result = self.step._run(params, batch, key, ids, frozen=frozen, memo=self._memo)
+        result = self.step._run(params, batch, key, ids, frozen=frozen, step=step, memo=self._memo)
         out = (result.loss, result.aux) if self.step.has_aux else result.loss
         return out, result.grads, result.params
 
@@ -281,20 +285,24 @@ class _BitwiseTrain:
 
         return jax.tree.map(place, tree)
 
-    def __call__(self, update, params, opt_state, batch, key, ids: Any = None, *, frozen=None):
+    def __call__(
+        self, update, params, opt_state, batch, key, ids: Any = None, *, frozen=None, step=None
+    ):
         if params is not self._returned:
             params, opt_state = self.on_step_mesh((params, opt_state))
-        out, grads, params = self.grads(params, batch, key, ids, frozen)
+        out, grads, params = self.grads(params, batch, key, ids, frozen, step)
         # The update needs no non-array leaf (an Equinox module's activation): it gets None.
         new, opt_state = update(without_static(params), opt_state, grads)
         params = with_static(new, params)
         self._returned = params
         return out, params, opt_state
 
-    def with_state(self, update_state, state, batch, key, ids: Any = None, *, frozen=None):
+    def with_state(
+        self, update_state, state, batch, key, ids: Any = None, *, frozen=None, step=None
+    ):
         if state.params is not self._returned:
             state = self.on_step_mesh(state)
-        out, grads, params = self.grads(state.params, batch, key, ids, frozen)
+        out, grads, params = self.grads(state.params, batch, key, ids, frozen, step)
         if params is not state.params:
             state = state.replace(params=params)
         (state,) = update_state(state, grads)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import keys as keys_lib
 from unsplit._src.processes import agreement, fingerprint
 from unsplit._src.step import constraints, memory, sums, validate
 from unsplit._src.step.layout import Layout, move_onto, named_spec
@@ -45,18 +46,21 @@ class DefaultStep:
         self._programs: dict[Any, Any] = {}
         self._warned: set[str] = set()
 
-    def __call__(self, params, batch, key, ids, *, memo: dict | None = None) -> sums.Result:
-        """Runs the step (``memo`` is bitwise mode's: one jit looks at the params anyway)."""
-        structure, program, args = self._prepare(params, batch, key, ids)
+    def __call__(
+        self, params, batch, key, ids, *, memo: dict | None = None, step=None
+    ) -> sums.Result:
+        """Runs the step (``memo`` is bitwise mode's: one jit looks at the params anyway;
+        ``step``: the step number, folded into the key inside the program)."""
+        structure, program, args = self._prepare(params, batch, key, ids, step)
         loss, grads, aux, weight = program(*args)
         return sums.Result(loss, structure.grads_tree(grads), aux, weight, params)
 
-    def lower(self, params, batch, key, ids) -> jax.stages.Lowered:
+    def lower(self, params, batch, key, ids, *, step=None) -> jax.stages.Lowered:
         """The program this call would run, lowered (``.compile().memory_analysis()``...)."""
-        _, program, args = self._prepare(params, batch, key, ids)
+        _, program, args = self._prepare(params, batch, key, ids, step)
         return program.lower(*args)
 
-    def _prepare(self, params, batch, key, ids):
+    def _prepare(self, params, batch, key, ids, step=None):
         """The inputs on the step's mesh, and the compiled program for their layout."""
         layout = self.layout
         mesh = layout.mesh
@@ -65,7 +69,7 @@ class DefaultStep:
                 params, layout, lambda x: named_spec(x, mesh), "params", self._warned
             )
             batch = move_onto(batch, layout, lambda x: P(layout.batch_entry), "batch", self._warned)
-            key = move_onto(key, layout, lambda x: P(), "key", self._warned)
+            key, step = move_onto((key, step), layout, lambda x: P(), "key", self._warned)
             ids = move_onto(ids, layout, lambda x: P(layout.batch_entry), "ids", self._warned)
         structure, arrays = sums.Params.split(params)
         shardings = tuple(_concrete_sharding(a, layout) for a in arrays)
@@ -90,10 +94,10 @@ class DefaultStep:
             if not validate.is_traced(arrays, batch, key, ids):
                 # Compiled here, once (the call below reuses it), to refuse a program too big
                 # for the devices before it runs rather than fail in block_until_ready.
-                compiled = program.lower(arrays, batch, key, ids).compile()
+                compiled = program.lower(arrays, batch, key, ids, step).compile()
                 memory.check(compiled, memory.default_fix(self.microbatches))
             self._programs[(structure, shardings)] = program
-        return structure, program, (arrays, batch, key, ids)
+        return structure, program, (arrays, batch, key, ids, step)
 
     def _compile(self, structure: sums.Params, signature: tuple):
         """The jitted program for a params layout (``signature``: each array leaf's spec,
@@ -120,16 +124,17 @@ def agreeing(run, structure: sums.Params, mesh: jax.sharding.Mesh, sig: Any):
     """``run`` guarded by an on-device comparison of key, params, frozen inputs and settings.
 
     Inside a caller's jit, a host exchange is not safe. Each device fingerprints
-    its copies of the key, the params, the frozen inputs and the traced program's
+    its copies of the step key, the params, the frozen inputs and the traced program's
     settings (``sig``); one small all_gather compares them. On a mismatch the
     outputs are nan and the step raises when its results are read, on every process.
     """
 
-    def guarded(arrays, batch, key, ids):
-        out = run(arrays, batch, key, ids)
+    def guarded(arrays, batch, key, ids, step):
+        out = run(arrays, batch, key, ids, step)
         frozen = [a for a, f in zip(arrays, structure.frozen, strict=True) if f]
         ok = fingerprint.replicas_agree(
-            (key, jnp.asarray(sig), structure.diff_of(arrays), frozen), mesh
+            (keys_lib.step_key(key, step), jnp.asarray(sig), structure.diff_of(arrays), frozen),
+            mesh,
         )
         fingerprint.raise_unless(
             ok,

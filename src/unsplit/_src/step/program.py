@@ -1,7 +1,8 @@
 """Default mode's step as one function for ``jax.jit``: the global batch's loss and grads.
 
 :class:`Program` is what :class:`~unsplit._src.step.default.DefaultStep` compiles:
-``run(arrays, batch, key, ids)`` places the batch on the mesh, vmaps the one-example
+``run(arrays, batch, key, ids, step)`` folds the step number into the key,
+places the batch on the mesh, vmaps the one-example
 loss over each microbatch (keys by global id), runs the microbatches in a
 ``lax.scan`` (activation memory of one microbatch), and divides the global sums once
 by the global weight (with one microbatch, the division seeds the backward pass, as
@@ -44,11 +45,13 @@ class Program:
         return P() if self.spec.coupled else P(self.layout.batch_entry)
 
     def function(self, structure: sums.Params, diff_specs: list) -> Callable:
-        """``run(arrays, batch, key, ids) -> (loss, grads, aux, weight)`` for ``jax.jit``;
-        ``diff_specs``: each differentiated leaf's grad sharding (``None``: its type's)."""
+        """``run(arrays, batch, key, ids, step) -> (loss, grads, aux, weight)`` for
+        ``jax.jit``; ``diff_specs``: each differentiated leaf's grad sharding (``None``: its
+        type's); ``step``: a step number folded into the key here (``None``: the key as is)."""
         layout = self.layout
 
-        def run(arrays, batch, key, ids):
+        def run(arrays, batch, key, ids, step=None):
+            key = keys_lib.step_key(key, step)
             diff = structure.diff_of(arrays)
             grad_specs = [
                 s if s is not None else _type_spec(a) for s, a in zip(diff_specs, diff, strict=True)
