@@ -152,13 +152,7 @@ def trace(
         # A step that brings its own mesh: a jax.pmap (a shard_map over its axis name) given
         # arrays placed by flax.jax_utils.replicate (a mesh of axis '_device_put_sharded'),
         # which refuses the inputs' mesh as the context mesh. Traced without it, as it runs.
-        try:
-            closed, out_shape = make_jaxpr(traced, avals)
-        except Exception:
-            pass
-        else:
-            return Traced(closed, leaves, out_shape, tuple(static))
-        raise
+        closed, out_shape = make_jaxpr(traced, avals)  # its own error, if it has one
     return Traced(closed, leaves, out_shape, tuple(static))
 
 

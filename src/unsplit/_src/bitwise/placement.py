@@ -208,7 +208,10 @@ class Placer:
 
     def held(self, x: jax.Array, spec: P) -> jax.Array:
         """``x``, whose every device already holds the block ``spec`` gives it on the group's
-        mesh (a replicated frozen base), as the group's array: its buffers, no copy."""
+        mesh (a replicated frozen base), as the group's array: its buffers, no copy. A host
+        value (NumPy) is copied to the group's devices whole."""
+        if not isinstance(x, jax.Array):
+            return self.whole(x)
         if self.size == 1:
             return self.one_device(shards_by_device(x)[self.devices[0]].data)
         return rename(x, NamedSharding(self.gmesh, spec))

@@ -172,7 +172,7 @@ class Checkpointer:
         step = self._step(step)
         meta = self.metadata(step)
         self._check_settings(step, meta.get("settings", {}))
-        self._check_frozen(step, meta.get("frozen"), frozen)
+        _check_frozen(self.directory, step, meta.get("frozen"), frozen)
         target = jax.tree.map(_abstract, like)
         out = self._manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
@@ -221,37 +221,39 @@ class Checkpointer:
             f"{keep or 'the saved settings'}, or start a new run in an empty directory."
         )
 
-    def _check_frozen(self, step: int, saved: Any, frozen: Any) -> None:
-        if saved is None:  # saved without frozen=: nothing to compare
-            return
-        if frozen is None:
-            raise SettingsMismatch(
-                f"the checkpoint of step {step} in {self.directory} was saved with frozen "
-                "inputs (save(..., frozen=...)), and restore got none: expected the run's "
-                "frozen inputs, got frozen=None. Fix: restore(like, frozen=frozen), with the "
-                "frozen inputs (e.g. the base model) the run trains with."
-            )
-        mine = _frozen_record(frozen)
-        changed = [
-            f"{name} of {path}: saved {saved[name].get(path, '<absent>')}, this run "
-            f"{mine[name].get(path, '<absent>')}"
-            for name in ("frozen shapes and dtypes", "frozen values")
-            for path in sorted(set(saved[name]) | set(mine[name]))
-            if saved[name].get(path) != mine[name].get(path)
-            and not _unread(saved[name].get(path), mine[name].get(path))
-        ]
-        if saved["frozen structure"] != mine["frozen structure"]:
-            changed.insert(0, f"frozen structure: saved {saved['frozen structure']}, this run "
-                              f"{mine['frozen structure']}")  # fmt: skip
-        if changed:
-            raise SettingsMismatch(
-                f"cannot resume from the checkpoint of step {step} in {self.directory}: the "
-                f"frozen inputs changed. {'; '.join(changed[:5])}"
-                f"{f' (and {len(changed) - 5} more)' if len(changed) > 5 else ''}. The frozen "
-                "inputs fix what every step computes, so a resumed run must keep them. Fix: "
-                "load the frozen inputs the run was saved with (the same base checkpoint), or "
-                "start a new run in an empty directory."
-            )
+
+def _check_frozen(directory: str, step: int, saved: Any, frozen: Any) -> None:
+    """Refuses a resume with other frozen inputs than the checkpoint was saved with."""
+    if saved is None:  # saved without frozen=: nothing to compare
+        return
+    if frozen is None:
+        raise SettingsMismatch(
+            f"the checkpoint of step {step} in {directory} was saved with frozen "
+            "inputs (save(..., frozen=...)), and restore got none: expected the run's "
+            "frozen inputs, got frozen=None. Fix: restore(like, frozen=frozen), with the "
+            "frozen inputs (e.g. the base model) the run trains with."
+        )
+    mine = _frozen_record(frozen)
+    changed = [
+        f"{name} of {path}: saved {saved[name].get(path, '<absent>')}, this run "
+        f"{mine[name].get(path, '<absent>')}"
+        for name in ("frozen shapes and dtypes", "frozen values")
+        for path in sorted(set(saved[name]) | set(mine[name]))
+        if saved[name].get(path) != mine[name].get(path)
+        and not _unread(saved[name].get(path), mine[name].get(path))
+    ]
+    if saved["frozen structure"] != mine["frozen structure"]:
+        changed.insert(0, f"frozen structure: saved {saved['frozen structure']}, this run "
+                          f"{mine['frozen structure']}")  # fmt: skip
+    if changed:
+        raise SettingsMismatch(
+            f"cannot resume from the checkpoint of step {step} in {directory}: the "
+            f"frozen inputs changed. {'; '.join(changed[:5])}"
+            f"{f' (and {len(changed) - 5} more)' if len(changed) > 5 else ''}. The frozen "
+            "inputs fix what every step computes, so a resumed run must keep them. Fix: "
+            "load the frozen inputs the run was saved with (the same base checkpoint), or "
+            "start a new run in an empty directory."
+        )
 
 
 def _unread(*values: Any) -> bool:
