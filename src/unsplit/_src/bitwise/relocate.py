@@ -106,6 +106,101 @@ class Relocated:
         return self.compiled.memory_analysis()
 
 
+class Replicated:
+    """``compiled`` (a one-device program) run on every device of ``mesh`` this process
+    drives, in **one** launch: each device on its own copy of the inputs, the same
+    machine code (loaded as a program of one replica per device), so the same bits on
+    every device and as the one-device program gives.
+
+    Called with the program's argument leaves, each replicated on ``mesh``; returns its
+    outputs replicated on ``mesh`` (no gather, no copy out: every device computed them).
+    Launching the program once per device instead cost about three times as much host
+    time (8 simulated CPU devices).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> mesh = jax.make_mesh((2,), ("data",))
+        >>> w = jax.device_put(jnp.arange(3.0), jax.NamedSharding(mesh, jax.P()))
+        >>> device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        >>> one = jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=device)
+        >>> program = Replicated(jax.jit(lambda w: w * 2).lower(one).compile(), mesh)
+        >>> out = program([w])
+        >>> out.tolist(), out.sharding == w.sharding
+        ([0.0, 2.0, 4.0], True)
+    """
+
+    def __init__(self, compiled: jax.stages.Compiled, mesh: jax.sharding.Mesh):
+        me = jax.process_index()
+        self.devices = [d for d in mesh.devices.flat if d.process_index == me]
+        options = jax_backend.get_compile_options(
+            num_replicas=len(self.devices),
+            num_partitions=1,
+            device_assignment=np.array([[d.id] for d in self.devices]),
+        )
+        runtime: Any = compiled.runtime_executable()  # always set on a compiled program
+        self.executable = self.devices[0].client.deserialize_executable(
+            runtime.serialize(), executable_devices=self.devices, compile_options=options
+        )
+        local = jax.sharding.Mesh(np.array(self.devices), ("_replicas",))
+        self.local = jax.sharding.NamedSharding(local, jax.P())
+        self.whole = jax.sharding.NamedSharding(mesh, jax.P())
+        self.out_tree = compiled.out_tree
+        self.shapes = [x.shape for x in jax.tree.leaves(compiled.out_info)]
+
+    def __call__(self, leaves: list, shardings: list | None = None) -> Any:
+        """``shardings``: each output's (replicated on the mesh); default ``P()``."""
+        args = []
+        for x in leaves:
+            copies = {s.device: s.data for s in x.addressable_shards}
+            pieces = [copies[d] for d in self.devices]
+            args.append(jax.make_array_from_single_device_arrays(x.shape, self.local, pieces))
+        outs = self.executable.execute_sharded(args).disassemble_into_single_device_arrays()
+        shardings = shardings or [self.whole] * len(outs)
+        arrays = [
+            jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+            for shape, sharding, pieces in zip(self.shapes, shardings, outs, strict=True)
+        ]
+        return jax.tree.unflatten(self.out_tree, arrays)
+
+
+class OnEveryDevice:
+    """A jitted function of pytrees run as :class:`Replicated` when every leaf is replicated
+    on ``mesh`` (one compile per input signature, for ``device``): the optimizer update
+    of replicated params (LoRA adapters) with no gather onto one device and no copy back.
+    """
+
+    def __init__(self, jitted: Any, mesh: jax.sharding.Mesh, device: Any):
+        self.jitted, self.mesh = jitted, mesh
+        self.device = jax.sharding.SingleDeviceSharding(device)
+        self._programs: dict[Any, Replicated] = {}
+
+    def accepts(self, trees: Any) -> bool:
+        """Whether every leaf is an array (no key) replicated on the mesh of several devices."""
+        return self.mesh.size > 1 and all(map(self._replica, jax.tree.leaves(trees)))
+
+    def _replica(self, x: Any) -> bool:
+        sharding = getattr(x, "sharding", None)
+        return (
+            isinstance(sharding, jax.sharding.NamedSharding)
+            and sharding.mesh == self.mesh
+            and sharding.is_fully_replicated
+            and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+        )
+
+    def __call__(self, trees: tuple, like: Any = None) -> Any:
+        """``fn(*trees)``; its outputs get the shardings of ``like``'s leaves (the inputs
+        they replace), else ``P()`` on the mesh."""
+        leaves, treedef = jax.tree.flatten(trees)
+        signature = (treedef, tuple((x.shape, x.dtype) for x in leaves))
+        if signature not in self._programs:
+            one = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.device) for x in leaves]
+            compiled = self.jitted.lower(*jax.tree.unflatten(treedef, one)).compile()
+            self._programs[signature] = Replicated(compiled, self.mesh)
+        program = self._programs[signature]
+        shardings = [x.sharding for x in jax.tree.leaves(like)]
+        return program(leaves, shardings if len(shardings) == len(program.shapes) else None)
+
+
 def _buffer(x: Any, device: Any) -> jax.Array:
     """An argument as the executable takes it: an array on ``device``; a key as its data."""
     if not isinstance(x, jax.Array):

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import jax
+import jax.core  # jax.core.Tracer: imported, so type checkers see the module
 import numpy as np
 import optax
 
@@ -147,6 +148,7 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
             optimizer,
             ArrayJit(fused, donate_argnums=(0, 1), check=check),
             ArrayJit(fused_state, donate_argnums=(0,), check=check),
+            placed_key=_PlacedKey(step.mesh),
         )
 
     # Bitwise: the update too is one program whatever the schedule: on whole arrays, or, with
@@ -207,11 +209,14 @@ def is_train_state(x: Any) -> bool:
 class _Train:
     """``train(params, opt_state, batch, key, ids=None)`` or ``train(state, batch, key, ids=None)``."""
 
-    def __init__(self, step: Step, optimizer, with_trees: Callable, with_state: Callable):
+    def __init__(
+        self, step: Step, optimizer, with_trees: Callable, with_state: Callable, placed_key=None
+    ):
         self.step = step
         self.optimizer = optimizer
         self.with_trees = with_trees
         self.with_state = with_state
+        self.placed_key = placed_key  # default mode: the step key on the mesh (_PlacedKey)
 
     def __call__(self, *args, **kwargs):
         with memory.hint(self.step):  # the first call's compiles and transfers too
@@ -220,6 +225,9 @@ class _Train:
     def _call(self, *args, **kwargs):
         if kwargs.get("step") is not None:  # one type for every step number: no retrace
             kwargs["step"] = keys_lib.step_number(kwargs["step"])
+        position = 2 if args and is_train_state(args[0]) else 3
+        if self.placed_key is not None and len(args) > position:
+            args = (*args[:position], self.placed_key(args[position]), *args[position + 1 :])
         if args and is_train_state(args[0]):
             state = args[0]
             if self.optimizer is not None and state.tx is not self.optimizer:
@@ -308,6 +316,35 @@ class _BitwiseTrain:
         (state,) = update_state(state, grads)
         self._returned = state.params
         return out, state
+
+
+class _PlacedKey:
+    """The step key on the step's mesh, placed once while the same key object comes back.
+
+    The recommended loop passes one key and the step number (``train(..., key, step=i)``);
+    a key made by ``jax.random.key`` lives on one device, and ``jax.jit`` would copy it
+    to every device of the mesh on every call. One process only (elsewhere the key goes
+    to ``jax.jit`` as given).
+    """
+
+    def __init__(self, mesh: jax.sharding.Mesh | None):
+        many = mesh is not None and mesh.size > 1
+        self.sharding = jax.sharding.NamedSharding(mesh, jax.P()) if many else None
+        self._given: Any = None
+        self._placed: Any = None
+
+    def __call__(self, key: Any) -> Any:
+        if (
+            self.sharding is None
+            or not isinstance(key, jax.Array)
+            or isinstance(key, jax.core.Tracer)
+            or jax.process_count() > 1
+            or key.sharding == self.sharding
+        ):
+            return key
+        if key is not self._given:
+            self._given, self._placed = key, jax.device_put(key, self.sharding)
+        return self._placed
 
 
 #: The name this function had first; the same function (both modes).
