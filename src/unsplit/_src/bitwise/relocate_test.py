@@ -79,3 +79,22 @@ def test_tensor_parallel_groups_share_one_compile_and_keep_the_bits():
             assert isinstance(first, jax.stages.Compiled)
             assert all(isinstance(e, relocate.Relocated) and e.compiled is first for e in others)
     assert unsplit.testing.bits_equal(outs[0], outs[1])
+
+
+def test_one_launch_on_every_device_gives_the_bits_of_the_one_device_program():
+    mesh = jax.make_mesh((8,), ("data",))
+    replicated = jax.NamedSharding(mesh, jax.P())
+    w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)), replicated)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 64)), replicated)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one) for a in (w, x)]
+
+    def f(w, x):
+        return jnp.tanh(x @ w) / jnp.linalg.norm(w)
+
+    compiled = jax.jit(f).lower(*avals).compile()
+    out = relocate.Replicated(compiled, mesh)([w, x])
+    assert out.sharding == replicated and len(out.addressable_shards) == 8
+    want = compiled(*jax.device_put((w, x), one))
+    for shard in out.addressable_shards:  # every device ran it on its own copy
+        assert unsplit.testing.bits_equal(shard.data, want)

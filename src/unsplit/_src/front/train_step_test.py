@@ -445,3 +445,19 @@ def test_a_step_number_that_is_none_is_refused_by_the_train_function_too():
     train = unsplit.train_step(unsplit.value_and_grad(loss_fn), optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"step must be a step number in \[0, 2\*\*32\)"):
         train(init(), optax.sgd(0.1).init(init()), X, KEY, step=-3)
+
+
+def test_the_recommended_loops_one_key_is_placed_on_the_mesh_once():
+    mesh = jax.make_mesh((4,), ("data",))
+    optimizer = optax.sgd(0.1)
+    train = unsplit.train_step(unsplit.value_and_grad(loss_fn, mesh=mesh), optimizer)
+    key = jax.random.key(3)  # on one device, as jax.random.key makes it
+    params, opt_state = init(), optimizer.init(init())
+    _, params, opt_state = train(params, opt_state, X, key, step=0)
+    placed = train.placed_key._placed
+    assert placed.sharding == jax.NamedSharding(mesh, jax.P())
+    _, params, opt_state = train(params, opt_state, X, key, step=1)
+    assert train.placed_key._placed is placed  # not copied to the devices again
+    other = jax.random.key(4)
+    train(params, opt_state, X, other, step=2)
+    assert train.placed_key._given is other
