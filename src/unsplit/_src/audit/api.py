@@ -176,15 +176,16 @@ def audit_step(
                 f"got {len(args)} arguments. Fix: index the batch among fn's positional arguments."
             )
         batch_argnums = tuple(i % len(args) for i in batch_argnums)
-    if frozen is not None:  # the last traced argument, passed by keyword; never the batch
-        if batch_argnums is None:
-            batch_argnums = audit_trace.infer_batch_argnums(args)
-        step, args = fn, (*args, frozen)
+    if frozen is None:
+        return check_step(fn, args, batch_argnums=batch_argnums)
+    # The last traced argument, passed by keyword: never the batch.
+    if batch_argnums is None:
+        batch_argnums = audit_trace.infer_batch_argnums(args)
 
-        def fn(*traced):
-            return step(*traced[:-1], frozen=traced[-1])
+    def with_frozen(*traced):
+        return fn(*traced[:-1], frozen=traced[-1])
 
-    return check_step(fn, args, batch_argnums=batch_argnums)
+    return check_step(with_frozen, (*args, frozen), batch_argnums=batch_argnums)
 
 
 def _check_callable(fn: Any, name: str) -> None:

@@ -135,7 +135,8 @@ class BitwiseLowered:
         self._step, self._args, self._frozen = step, args, frozen
 
     def compile(self) -> BitwiseCompiled:
-        state, placed = _compiled(self._step, *self._args, self._frozen, "step.lower")
+        params, batch, key, ids = self._args
+        state, placed = _compiled(self._step, params, batch, key, ids, self._frozen, "step.lower")
         with jax.set_mesh(None):
             return BitwiseCompiled(_cost(state, placed), state)
 

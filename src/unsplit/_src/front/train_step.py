@@ -64,7 +64,12 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         passed in stay valid until you drop them. Both forms take
         ``frozen=`` (keyword): frozen inputs passed to the step
         (``loss_fn(params, example, key, frozen)``); the optimizer sees the
-        params only, and ``frozen`` is never donated.
+        params only, and ``frozen`` is never donated. Both take ``step=``
+        (keyword): the step number (an int, or ``state.step``), folded into
+        ``key`` inside the compiled program, the bits of passing
+        ``jax.random.fold_in(key, step)`` without a host dispatch per step:
+        the recommended loop is ``train(params, opt_state, batch, key, step=i)``
+        with one ``key`` for the run (placed on the mesh once).
 
         Default mode is one ``jax.jit``: params and optimizer state that are not on
         the step's mesh yet (fresh ``jnp`` arrays) come back placed on it, so the
@@ -82,7 +87,9 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         >>> train = unsplit.train_step(step, optimizer)
         >>> w = jnp.ones((3, 2))
         >>> state = optimizer.init(w)
-        >>> loss, w, state = train(w, state, jnp.ones((8, 3)), jax.random.key(0))
+        >>> key = jax.random.key(0)
+        >>> for i in range(2):  # the step key is fold_in(key, i), made inside the program
+        ...     loss, w, state = train(w, state, jnp.ones((8, 3)), key, step=i)
         >>> w.shape
         (3, 2)
 
@@ -329,7 +336,9 @@ class _PlacedKey:
 
     def __init__(self, mesh: jax.sharding.Mesh | None):
         many = mesh is not None and mesh.size > 1
-        self.sharding = jax.sharding.NamedSharding(mesh, jax.P()) if many else None
+        self.sharding = None
+        if mesh is not None and many:
+            self.sharding = jax.sharding.NamedSharding(mesh, jax.P())
         self._given: Any = None
         self._placed: Any = None
 
