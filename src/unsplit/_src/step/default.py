@@ -69,7 +69,8 @@ class DefaultStep:
                 params, layout, lambda x: named_spec(x, mesh), "params", self._warned
             )
             batch = move_onto(batch, layout, lambda x: P(layout.batch_entry), "batch", self._warned)
-            key, step = move_onto((key, step), layout, lambda x: P(), "key", self._warned)
+            key = move_onto(key, layout, lambda x: P(), "key", self._warned)
+            step = move_onto(step, layout, lambda x: P(), "step", self._warned)
             ids = move_onto(ids, layout, lambda x: P(layout.batch_entry), "ids", self._warned)
         structure, arrays = sums.Params.split(params)
         shardings = tuple(_concrete_sharding(a, layout) for a in arrays)
