@@ -76,6 +76,8 @@ def audit(
         ['foreign_key']
     """
     _check_callable(loss_fn, "loss_fn")
+    # The step's own arity check: frozen= given exactly when the loss takes it.
+    frozen_lib.check_arity(loss_fn, "loss_fn", "params, example, key", 3, frozen is not None)
     if frozen is not None:  # traced as the step calls it: frozen travels with the params
         loss_fn, params = frozen_lib.bound(loss_fn), frozen_lib.combine(params, frozen)
     size = _batch_size(batch)

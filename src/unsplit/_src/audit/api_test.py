@@ -318,3 +318,18 @@ def test_a_reseed_of_a_stream_the_module_lacks_gets_the_fix_naming_its_streams()
     assert unsplit.audit(reseeds_default, model, x, _KEY) == []
     with_dropout = Model(nnx.Rngs(params=0, dropout=1))
     assert unsplit.audit(reseeds_dropout, with_dropout, x, _KEY) == []
+
+
+def test_audit_refuses_a_frozen_mismatch_with_the_steps_message():
+    def needs_frozen(w, x, key, base):
+        return jnp.sum(unsplit.dropout(key, x, 0.1) @ base @ w)
+
+    def takes_none(w, x, key):
+        return jnp.sum(unsplit.dropout(key, x, 0.1) @ w)
+
+    w, x, base = jnp.ones(2), jnp.ones((8, 3)), jnp.ones((3, 2))
+    with pytest.raises(TypeError, match=r"needs a frozen argument.*frozen=frozen"):
+        unsplit.audit(needs_frozen, w, x, _KEY)
+    with pytest.raises(TypeError, match=r"frozen= was given.*add frozen as its last parameter"):
+        unsplit.audit(takes_none, w, x, _KEY, frozen=base)
+    assert unsplit.audit(needs_frozen, w, x, _KEY, frozen=base) == []
