@@ -93,8 +93,15 @@ def test_one_launch_on_every_device_gives_the_bits_of_the_one_device_program():
         return jnp.tanh(x @ w) / jnp.linalg.norm(w)
 
     compiled = jax.jit(f).lower(*avals).compile()
-    out = relocate.Replicated(compiled, mesh)([w, x])
-    assert out.sharding == replicated and len(out.addressable_shards) == 8
+    devices = list(mesh.devices.flat)
+    program = relocate.Replicas(compiled, devices)
+    copies = [{s.device: s.data for s in a.addressable_shards} for a in (w, x)]
+    args = [(copies[0][d], copies[1][d]) for d in devices]
     want = compiled(*jax.device_put((w, x), one))
-    for shard in out.addressable_shards:  # every device ran it on its own copy
-        assert unsplit.testing.bits_equal(shard.data, want)
+    for out, device in zip(program(args), devices, strict=True):  # one launch, 8 devices
+        assert out.devices() == {device} and unsplit.testing.bits_equal(out, want)
+    # Each device its own inputs: another x on device 3 gives what the program gives for it.
+    other = jax.device_put(jnp.asarray(jax.device_get(x)) * 2, devices[3])
+    args[3] = (copies[0][devices[3]], other)
+    want = compiled(*jax.device_put((w, other), one))
+    assert unsplit.testing.bits_equal(program(args)[3], want)
