@@ -441,7 +441,7 @@ def test_a_new_step_number_is_no_new_program():
     assert len(traces) == traced
 
 
-def test_a_step_number_that_is_none_is_refused_by_the_train_function_too():
+def test_a_negative_step_number_is_refused_by_the_train_function_too():
     train = unsplit.train_step(unsplit.value_and_grad(loss_fn), optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"step must be a step number in \[0, 2\*\*32\)"):
         train(init(), optax.sgd(0.1).init(init()), X, KEY, step=-3)
