@@ -26,9 +26,6 @@ from typing import Any
 
 import jax
 
-import unsplit
-import unsplit.testing
-
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
 
@@ -112,16 +109,11 @@ def compiled_bytes(compiled: Any) -> int:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
 
 
-def step_memory(step: Any, params: Any, batch: Any, key: jax.Array) -> int:
-    """An ``unsplit`` step's memory per device, in either mode.
-
-    Default mode: its one program's (``compiled_bytes``). Bitwise mode runs several
-    programs, so ``step.lower`` refuses it: ``unsplit.testing.bitwise_cost`` counts the
-    buffers it holds, each once.
-    """
-    if step.options.bitwise is None:
-        return compiled_bytes(step.lower(params, batch, key).compile())
-    return int(unsplit.testing.bitwise_cost(step, params, batch, key).memory_per_device)
+def step_memory(step: Any, params: Any, batch: Any, key: jax.Array, *, frozen: Any = None) -> int:
+    """An ``unsplit`` step's memory per device, in either mode: its lowered programs'
+    (``compiled_bytes``); in bitwise mode the peak over all of them, each buffer once
+    (``unsplit.testing.bitwise_cost`` has the breakdown)."""
+    return compiled_bytes(step.lower(params, batch, key, frozen=frozen).compile())
 
 
 def ratio_cell(r: Result) -> str:

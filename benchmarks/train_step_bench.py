@@ -10,7 +10,12 @@ params replicated, the batch sharded over ``data``, AdamW.
   where ``train`` does ``jax.value_and_grad`` of the batch-mean loss (keys
   ``unsplit.example_keys(key, arange(B))``, so both do the same work) and the optax update;
 * **unsplit train_step**: ``unsplit.train_step(unsplit.value_and_grad(loss_fn, mesh=mesh),
-  optax.adamw(...))`` (goal: <= 1.0x plain);
+  optax.adamw(...))`` given the same keys (goal: <= 1.0x plain);
+* **README loop**: the same train function driven as the README writes it, one key and the
+  step number, ``train(params, opt_state, xs, key, step=i)``: the number is folded into
+  the key inside the compiled program (goal: <= 1.0x plain);
+* **README loop, fold_in on the host**: the loop the README used to show,
+  ``train(params, opt_state, xs, jax.random.fold_in(key, i))``, for scale;
 * **unsplit grads alone**: the ``Step`` called on its own (no update), for scale.
 
 Step time: alternating rounds, median ratio to plain with min and max. Per-device memory:
@@ -121,8 +126,9 @@ def main() -> None:
     train = unsplit.train_step(step, optimizer)
     plain = plain_train(optimizer)
     # Each candidate carries its own params and state from call to call (both donate them).
-    state = {"plain": placed(), "unsplit": placed(), "grads": placed()}
+    state = {name: placed() for name in ("plain", "unsplit", "readme", "host", "grads")}
     keys = iter(jax.random.split(jax.random.key(0), 100_000))
+    key, numbers = jax.random.key(0), iter(range(100_000))
 
     def run_plain():
         loss, *state["plain"] = plain(*state["plain"], xs, next(keys))
@@ -130,6 +136,14 @@ def main() -> None:
 
     def run_train():
         loss, *state["unsplit"] = train(*state["unsplit"], xs, next(keys))
+        return loss
+
+    def run_readme():
+        loss, *state["readme"] = train(*state["readme"], xs, key, step=next(numbers))
+        return loss
+
+    def run_host_fold_in():
+        loss, *state["host"] = train(*state["host"], xs, jax.random.fold_in(key, next(numbers)))
         return loss
 
     def run_grads():
@@ -141,7 +155,13 @@ def main() -> None:
     )
     memory_grads = common.compiled_bytes(step.lower(params, xs, jax.random.key(1)).compile())
     timing = common.compare(
-        {"plain": run_plain, "unsplit train_step": run_train, "unsplit grads alone": run_grads},
+        {
+            "plain": run_plain,
+            "unsplit train_step": run_train,
+            "README loop (step=i)": run_readme,
+            "README loop, fold_in on the host": run_host_fold_in,
+            "unsplit grads alone": run_grads,
+        },
         baseline="plain",
         repeats=3 if args.quick else 41,
         inner=1 if args.quick else 5,

@@ -119,8 +119,8 @@ def train(args) -> list[str]:
         if mesh is not None:
             mine = {k: v[jax.process_index() * rows :][:rows] for k, v in batch.items()}
             batch, ids = unsplit.global_batch(mine, mesh)
-        key = jax.random.fold_in(jax.random.key(args.seed), s)
-        loss, params, opt_state = train_fn(params, opt_state, batch, key, ids)
+        key = jax.random.key(args.seed)  # the step key fold_in(key, s), made in the program
+        loss, params, opt_state = train_fn(params, opt_state, batch, key, ids, step=s)
         curve.append(_schedule.exact(loss))
     return curve
 

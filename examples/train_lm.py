@@ -245,8 +245,8 @@ def train(args: argparse.Namespace) -> int:
     for s in range(start, args.steps):
         rows, ids = run.steps[s]  # this process's rows of global step s, their record ids
         batch, ids = unsplit.global_batch(rows, run.mesh, ids)
-        key = jax.random.fold_in(jax.random.key(args.seed), s)
-        loss, params, opt_state = run.train(params, opt_state, batch, key, ids=ids)
+        key = jax.random.key(args.seed)  # the step key fold_in(key, s), made in the program
+        loss, params, opt_state = run.train(params, opt_state, batch, key, ids=ids, step=s)
         done = s + 1
         if ckpt is not None and (done % args.save_every == 0 or done == args.steps):
             ckpt.save(done, (params, opt_state), info=topology)

@@ -116,8 +116,8 @@ def train(args) -> list[str]:
     curve = []
     for s in range(args.steps):
         batch = {k: v[s] for k, v in data.items()}
-        key = jax.random.fold_in(jax.random.key(args.seed), s)
-        loss, adapters, opt_state = train_fn(adapters, opt_state, batch, key, frozen=base)
+        key = jax.random.key(args.seed)  # the step key fold_in(key, s), made in the program
+        loss, adapters, opt_state = train_fn(adapters, opt_state, batch, key, step=s, frozen=base)
         curve.append(_schedule.exact(loss))
     return curve
 

@@ -1,5 +1,7 @@
 """examples/train_clip.py: the contrastive loss curve does not depend on the schedule."""
 
+import os
+
 import example_scripts
 import pytest
 
@@ -22,7 +24,9 @@ def test_devices_and_microbatches_give_the_one_device_curve(train_clip, capsys, 
 
 @pytest.mark.multiprocess
 def test_two_processes_give_the_one_device_curve(train_clip, capsys, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(example_scripts.EXAMPLES))
+    # The workers import the example by name, and unsplit from where this process has it.
+    path = [str(example_scripts.EXAMPLES), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))
     argv = ["--devices", "2", "--processes", "2", "--microbatches", "1", "--steps", "2"]
     assert train_clip.main(argv) == 0
     assert "largest relative difference" in capsys.readouterr().out

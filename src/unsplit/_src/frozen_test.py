@@ -350,3 +350,55 @@ def test_no_backward_pass_reaches_frozen():
     # unsplit adds a few scalar ops (the weight, the nan guard); a backward through the base
     # would add its (D, H) gradient per example: about 1.2x here.
     assert frozen <= 1.1 * reference and frozen < 0.9 * trained
+
+
+def worker_disagreeing_frozen():
+    """Two processes whose frozen inputs (or step numbers) differ: what each call raised."""
+    me = jax.process_index()
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    adapter, base, x = make()
+    replicated = NamedSharding(mesh, P())
+
+    def on_mesh(tree):  # each process's own value, as one replicated global array
+        return jax.tree.map(
+            lambda a: jax.make_array_from_process_local_data(replicated, np.asarray(a)), tree
+        )
+
+    adapter, same = on_mesh(adapter), on_mesh(base)
+    other = on_mesh({**base, "b": base["b"] + me})
+    rows = B // jax.process_count()
+    batch, ids = unsplit.global_batch(np.asarray(x)[me * rows : (me + 1) * rows], mesh)
+    key = jax.random.key(0)
+
+    def attempt(fn):
+        try:
+            jax.block_until_ready(fn())
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "ok"
+
+    def step():
+        return unsplit.value_and_grad(lora_loss, mesh=mesh)
+
+    in_jit = jax.jit(lambda a, b, k, i, f: step()(a, b, k, ids=i, frozen=f))
+    return {
+        "equal": attempt(lambda: step()(adapter, batch, key, ids=ids, frozen=same)),
+        "frozen": attempt(lambda: step()(adapter, batch, key, ids=ids, frozen=other)),
+        "step number": attempt(lambda: step()(adapter, batch, key, ids=ids, frozen=same, step=me)),
+        "frozen in jit": attempt(lambda: in_jit(adapter, batch, key, ids, other)),
+    }
+
+
+@pytest.mark.multiprocess
+def test_processes_that_disagree_on_frozen_or_the_step_number_all_raise():
+    from unsplit._src.processes import launch
+
+    cases = launch.run_local_processes(
+        "unsplit._src.frozen_test:worker_disagreeing_frozen", timeout_s=240
+    )
+    for c in cases:
+        assert c["equal"] == "ok"
+        assert c["frozen"].startswith("AgreementError"), c["frozen"]
+        assert "frozen values" in c["frozen"] and "load the same frozen inputs" in c["frozen"]
+        assert "step number: process 0 has 0; process 1 has 1" in c["step number"]
+        assert "the frozen inputs" in c["frozen in jit"], c["frozen in jit"]

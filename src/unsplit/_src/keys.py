@@ -232,6 +232,35 @@ def check_key(key: Any, what: str = "key") -> None:
     _key_words(key, what, data=False)
 
 
+def step_key(key: Any, step: Any = None) -> Any:
+    """The step key ``jax.random.fold_in(key, step)`` (``key`` itself for ``step=None``);
+    jittable, the same bits as a ``fold_in`` on the host."""
+    return key if step is None else jax.random.fold_in(key, step)
+
+
+def step_number(step: Any) -> Any:
+    """``step=`` as the compiled programs take it, checked (no device work): ``None``; a
+    Python or NumPy integer in ``[0, 2**32)`` as ``np.uint32`` (one type for every step,
+    so nothing is traced again); an integer array of shape ``()`` (``state.step``) as it is.
+    """
+    if step is None:
+        return None
+    if isinstance(step, int | np.integer) and not isinstance(step, bool | np.bool_):
+        if not 0 <= int(step) < 2**32:
+            raise ValueError(
+                f"step must be a step number in [0, 2**32) (it is folded into the key, "
+                f"jax.random.fold_in(key, step)); got {step=}. Fix: pass the loop's counter."
+            )
+        return np.uint32(step)
+    dtype = getattr(step, "dtype", None)
+    if dtype is None or np.shape(step) != () or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"step must be an integer of shape () (the step number folded into the key); got "
+            f"{step=}. Fix: pass the loop's counter (an int) or state.step."
+        )
+    return step
+
+
 def _key_words(key: Any, what: str = "key", data: bool = True) -> tuple[Any, Any]:
     """Returns (uint32[2] key data, impl or None for a legacy key), validated."""
     if is_typed_key(key):

@@ -1,11 +1,14 @@
 """Tests for the rule: example keys are fold_in(key, id), 64-bit ids, refusals."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import unsplit
+from unsplit._src import keys as keys_lib
 
 KEY = jax.random.key(1234)
 
@@ -191,3 +194,38 @@ def test_truncated_ids_that_turned_negative_are_refused_with_the_cause():
     truncated = jnp.asarray(np.array([1, 2**31 + 5], np.int64))  # int32 -2147483643
     with pytest.raises(ValueError, match=r"int64 ids >= 2\*\*31 that JAX truncated.*ids64"):
         unsplit.example_keys(jax.random.key(0), truncated)
+
+
+# -- step= : the step number folded into the key (issue 40, item 6) ----------------------
+
+
+@pytest.mark.parametrize("step", [0, 7, 2**31, 2**32 - 1, np.int64(3), np.uint32(9)])
+def test_step_key_is_the_hosts_fold_in(step):
+    key = jax.random.key(0)
+    number = keys_lib.step_number(step)
+    assert isinstance(number, np.uint32)  # one type for every step: nothing traced again
+    folded = jax.jit(keys_lib.step_key)(key, number)
+    assert (jax.random.key_data(folded) == jax.random.key_data(jax.random.fold_in(key, step))).all()
+
+
+def test_step_number_keeps_an_integer_array_such_as_a_train_states_step():
+    count = jnp.int32(5)
+    assert keys_lib.step_number(count) is count
+    assert keys_lib.step_number(None) is None
+    assert keys_lib.step_key(jax.random.key(0), None).shape == ()
+
+
+@pytest.mark.parametrize(
+    ("step", "error", "message"),
+    [
+        (-1, ValueError, "step must be a step number in [0, 2**32)"),
+        (2**32, ValueError, "got step=4294967296"),
+        (1.5, TypeError, "step must be an integer of shape ()"),
+        (True, TypeError, "got step=True"),
+        (jnp.zeros(2, jnp.int32), TypeError, "Fix: pass the loop's counter"),
+        (jnp.float32(1), TypeError, "integer of shape ()"),
+    ],
+)
+def test_step_number_refuses_what_is_no_step_number(step, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        keys_lib.step_number(step)

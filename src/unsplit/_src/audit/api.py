@@ -76,6 +76,8 @@ def audit(
         ['foreign_key']
     """
     _check_callable(loss_fn, "loss_fn")
+    # The step's own arity check: frozen= given exactly when the loss takes it.
+    frozen_lib.check_arity(loss_fn, "loss_fn", "params, example, key", 3, frozen is not None)
     if frozen is not None:  # traced as the step calls it: frozen travels with the params
         loss_fn, params = frozen_lib.bound(loss_fn), frozen_lib.combine(params, frozen)
     size = _batch_size(batch)
@@ -124,7 +126,7 @@ def audit(
 
 
 def audit_step(
-    fn: Callable, *args: Any, batch_argnums: Sequence[int] | None = None
+    fn: Callable, *args: Any, batch_argnums: Sequence[int] | None = None, frozen: Any = None
 ) -> list[Finding]:
     """Finds what makes an ordinary (batched) train step depend on its schedule; nothing runs.
 
@@ -150,6 +152,10 @@ def audit_step(
             --batch-args``); by default those whose array leaves all share one
             leading size (the first argument, the params, only if no other
             does).
+        frozen: frozen inputs (a text encoder, a LoRA base model), passed as the step
+            takes them: ``fn(*args, frozen=frozen)`` (an ``unsplit`` train function or a
+            default-mode step, or your own step with that keyword); traced as inputs,
+            never as the batch.
 
     Returns:
         The findings, in program order; ``[]`` when nothing was found.
@@ -172,7 +178,16 @@ def audit_step(
                 f"got {len(args)} arguments. Fix: index the batch among fn's positional arguments."
             )
         batch_argnums = tuple(i % len(args) for i in batch_argnums)
-    return check_step(fn, args, batch_argnums=batch_argnums)
+    if frozen is None:
+        return check_step(fn, args, batch_argnums=batch_argnums)
+    # The last traced argument, passed by keyword: never the batch.
+    if batch_argnums is None:
+        batch_argnums = audit_trace.infer_batch_argnums(args)
+
+    def with_frozen(*traced):
+        return fn(*traced[:-1], frozen=traced[-1])
+
+    return check_step(with_frozen, (*args, frozen), batch_argnums=batch_argnums)
 
 
 def _check_callable(fn: Any, name: str) -> None:

@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import unsplit
@@ -133,7 +134,7 @@ def test_audit_loss_gives_no_finding_when_the_loss_itself_fails():
 
 
 def test_an_audit_bug_becomes_an_audit_error_finding(monkeypatch):
-    def crash(draws):
+    def crash(*args):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(audit_loss_lib, "foreign_key_findings", crash)
@@ -264,3 +265,71 @@ def test_finding_is_a_frozen_dataclass_with_the_contract_fields():
     assert f.to_dict()["line"] == 12 and str(f) == "step.py:12: batch_draw: one key"
     with pytest.raises(AttributeError):
         f.kind = "other"
+
+
+# -- issue 40: audit_step takes frozen=; the NNX reseed fix names the model's streams ----
+
+
+def test_audit_step_takes_frozen_inputs_as_the_step_does():
+    def step(w, batch, key, *, frozen):  # the base is frozen, never the batch
+        keep = jax.random.bernoulli(key, 0.9, batch.shape)  # one key for the whole batch
+        return jnp.sum(jnp.where(keep, batch, 0.0) @ frozen["w"] @ w)
+
+    base = {"w": jnp.ones((3, 8))}  # a leading size of 3, like nothing in the batch
+    (found,) = unsplit.audit_step(step, jnp.ones((8, 2)), jnp.ones((8, 3)), _KEY, frozen=base)
+    assert found.kind == "batch_draw"
+
+    def unsplit_loss(w, x, key, frozen):
+        return jnp.sum(unsplit.dropout(key, x, 0.1) @ frozen["w"] @ w)
+
+    train = unsplit.train_step(unsplit.value_and_grad(unsplit_loss), optax.sgd(0.1))
+    w = jnp.ones((8, 2))
+    args = (w, optax.sgd(0.1).init(w), jnp.ones((8, 3)), _KEY)
+    assert unsplit.audit_step(train, *args, frozen=base) == []
+
+
+def test_a_reseed_of_a_stream_the_module_lacks_gets_the_fix_naming_its_streams():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.linear(x))
+
+    model = Model(nnx.Rngs(0))  # one stream: 'default', which the Dropout falls back to
+
+    def reseeds_dropout(model, x, key):  # the docs' recipe for nnx.Rngs(dropout=...)
+        nnx.reseed(model, dropout=key)
+        return jnp.sum(model(x) ** 2)
+
+    def reseeds_default(model, x, key):
+        nnx.reseed(model, default=key)
+        return jnp.sum(model(x) ** 2)
+
+    x = jnp.ones((8, 4))
+    (found,) = unsplit.audit(reseeds_dropout, model, x, _KEY)
+    assert found.kind == "foreign_key"
+    assert "the module's own nnx.Rngs stream 'default'" in found.message
+    assert "nnx.reseed(model, default=key)" in found.fix
+    assert "the streams this model has: default" in found.fix
+    assert unsplit.audit(reseeds_default, model, x, _KEY) == []
+    with_dropout = Model(nnx.Rngs(params=0, dropout=1))
+    assert unsplit.audit(reseeds_dropout, with_dropout, x, _KEY) == []
+
+
+def test_audit_refuses_a_frozen_mismatch_with_the_steps_message():
+    def needs_frozen(w, x, key, base):
+        return jnp.sum(unsplit.dropout(key, x, 0.1) @ base @ w)
+
+    def takes_none(w, x, key):
+        return jnp.sum(unsplit.dropout(key, x, 0.1) @ w)
+
+    w, x, base = jnp.ones(2), jnp.ones((8, 3)), jnp.ones((3, 2))
+    with pytest.raises(TypeError, match=r"needs a frozen argument.*frozen=frozen"):
+        unsplit.audit(needs_frozen, w, x, _KEY)
+    with pytest.raises(TypeError, match=r"frozen= was given.*add frozen as its last parameter"):
+        unsplit.audit(takes_none, w, x, _KEY, frozen=base)
+    assert unsplit.audit(needs_frozen, w, x, _KEY, frozen=base) == []

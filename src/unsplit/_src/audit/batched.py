@@ -34,12 +34,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from unsplit._src.audit import batch_draw
 from unsplit._src.audit import trace as audit_trace
 from unsplit._src.audit.finding import UNKNOWN, AuditWarning, Finding, dedupe, finding
 from unsplit._src.audit.graph import Walker, roots
 from unsplit._src.audit.keys import Draw, KeyRules
 from unsplit._src.audit.loss import device_key_findings, unsafe_key_findings
-from unsplit._src.audit.rows import Meeting, RowRules, draw_tag, pmap_stacked
+from unsplit._src.audit.rows import RowRules, draw_tag, pmap_stacked
 from unsplit._src.audit.values import Ctx, Info, Loop, Node, Origin
 
 _REDUCTIONS = frozenset(
@@ -119,10 +120,17 @@ def check_step(
     )
     names = [f"args[{i}]" for i in range(len(args))]
     traced = audit_trace.trace(fn, args, names, numpy_static=True, keep_sharding=True)
-    in_rows = [frozenset({0} if leaf.arg in argnums else ()) for leaf in traced.leaves]
-    rules = BatchedRules(in_rows)
-    walker = Walker(rules)
-    outs = walker.run(traced.closed, _infos(traced.leaves, argnums), _const_origin(traced, argnums))
+    rules, walker, outs = _walk(traced, argnums)
+    if batch_argnums is None and rules.stacked:
+        # A jax.pmap takes every argument stacked per device (params replicated by
+        # flax.jax_utils.replicate too): its batch is the arguments of one size per device.
+        stacked = {leaf.arg for leaf, n in zip(traced.leaves, walker.inputs, strict=True)
+                   if id(n) in rules.stacked}  # fmt: skip
+        per_device = [a if i in stacked else None for i, a in enumerate(args)]
+        inferred = audit_trace.infer_batch_argnums(per_device, axis=1)
+        if inferred and inferred != argnums:
+            argnums = inferred
+            rules, walker, outs = _walk(traced, argnums)
     draws = rules.draws_of()
     found = unsafe_key_findings(draws) + device_key_findings(draws) + rules.findings
     found += _multisteps(outs, traced.out_shape)
@@ -156,158 +164,22 @@ def check_step(
         other = KeyRules()
         infos, consts = _infos(larger.leaves, argnums), _const_origin(larger, argnums)
         Walker(other).run(larger.closed, infos, consts)
-        groups = _doubling_groups(draws, other.draws_of())
-    found += _group_findings(groups)
-    found += row_draw_findings(draws, rules.meetings, groups)
+        groups = batch_draw.doubling_groups(draws, other.draws_of())
+    found += batch_draw.group_findings(groups)
+    found += batch_draw.row_draw_findings(draws, rules.meetings, groups)
+    seen = {draw_tag(d.ctx, d.eqn) for g in groups.values() for d in g} | set(rules.meetings)
+    infos, consts = _infos(traced.leaves, argnums), _const_origin(traced, argnums)
+    found += batch_draw.stacked_draw_findings(traced, argnums, infos, consts, seen)
     return dedupe(found)
 
 
-def _doubling_groups(draws: Sequence[Draw], larger: Sequence[Draw]) -> dict[tuple, list[Draw]]:
-    """The draws whose shape follows the batch size while their key's shape does not, one
-    group per key and loop situation."""
-    if len(draws) != len(larger):
-        warnings.warn(
-            f"unsplit.audit_step: batch_draw was checked only where noise meets the batch's "
-            f"rows: the step draws {len(draws)} times with this batch and {len(larger)} times "
-            "with a batch twice as large.",
-            AuditWarning,
-            stacklevel=4,
-        )
-        return {}
-    groups: dict[tuple, list[Draw]] = {}  # one finding per key and loop situation
-    for d, e in zip(draws, larger, strict=True):
-        if d.shape != e.shape and d.key_shapes == e.key_shapes:
-            groups.setdefault((roots(d.key_info), _same_key_in_loop(d)), []).append(d)
-        elif _one_key_per_microbatch(d, e):
-            groups.setdefault((roots(d.key_info), "per microbatch"), []).append(d)
-    return groups
-
-
-def _group_findings(groups: dict[tuple, list[Draw]], meetings: dict | None = None) -> list:
-    out = []
-    for group in groups.values():
-        sites = list(dict.fromkeys(d.site for d in group))
-        others = sites[1:]  # every other line, however many: none is left out
-        also = (
-            f" The same key also draws at {len(others)} other line"
-            f"{'s' if len(others) > 1 else ''}: {', '.join(map(str, others))}."
-            if others
-            else ""
-        )
-        first = group[0]
-        message = (
-            _batch_draw_message(first)
-            if meetings is None
-            else _row_draw_message(first, meetings[draw_tag(first.ctx, first.eqn)])
-        )
-        out.append(finding("batch_draw", message + also, first.site))
-    return out
-
-
-def row_draw_findings(
-    draws: Sequence[Draw], meetings: dict[tuple, Meeting], flagged: dict[tuple, list[Draw]]
-) -> list[Finding]:
-    """Draws from one key (per iteration) whose own axis meets an axis of the batch's rows;
-    draws the doubled batch already ``flagged`` are not repeated."""
-    seen = {draw_tag(d.ctx, d.eqn) for group in flagged.values() for d in group}
-    groups: dict[tuple, list[Draw]] = {}
-    for d in draws:
-        tag = draw_tag(d.ctx, d.eqn)
-        if tag in meetings and tag not in seen and _one_key_here(d):
-            groups.setdefault((roots(d.key_info), _same_key_in_loop(d)), []).append(d)
-    return _group_findings(groups, meetings)
-
-
-def _one_key_here(d: Draw) -> bool:
-    """Whether the draw uses one key where it runs (its operands' own shapes: inside a loop
-    body, a per-example key array of the microbatch keeps its leading axis)."""
-    single = ((), (2,)) if d.key_dtype == "uint32" else ((),)
-    operands = d.eqn.invars[: len(d.key_shapes)]
-    return all(tuple(getattr(v.aval, "shape", ())) in single for v in operands)
-
-
-def _row_draw_message(d: Draw, meeting: Meeting) -> str:
-    text = (
-        f"one key draws noise of shape {d.shape}, and at {meeting.site} an axis of it (of "
-        f"length {meeting.size}) meets the rows of the batch ({meeting.rows}): an example's "
-        "noise is the row of one array at the example's position, not a function of the example"
-    )
-    if _same_key_in_loop(d):
-        return (
-            f"{text}. Inside the loop at {d.ctx.loops[-1].marker.site} the key is the same at "
-            "every iteration, so every microbatch gets the same noise."
-        )
-    if d.ctx.loops:
-        return (
-            f"{text}. The loop at {d.ctx.loops[-1].marker.site} draws each iteration's noise "
-            "from one key (split or folded per microbatch): an example's noise depends on which "
-            "microbatch it lands in and where, so it changes with the number of microbatches "
-            "(even when their size is a constant of the code). Fix: per-example keys, "
-            "unsplit.example_keys(key, ids), or unsplit.value_and_grad."
-        )
-    if d.ctx.device_maps:
-        return f"{text}. Inside shard_map/pmap each device draws for its own share."
-    return f"{text}; it changes with the batch size and with how the batch is cut."
-
-
-def _trips(d: Draw) -> int:
-    """How many times the draw runs: the product of its enclosing scans' lengths."""
-    return int(np.prod([loop.eqn.params.get("length", 1) for loop in d.ctx.loops]))
-
-
-def _iteration_key_shapes(d: Draw) -> tuple[tuple[int, ...], ...]:
-    """The key's shape in one iteration: a key array the loop scans over loses its leading
-    (per-iteration) axis."""
-    trips = _trips(d)
-    return tuple(s[1:] if s and s[0] == trips else s for s in d.key_shapes)
-
-
-def _single_key(d: Draw) -> bool:
-    single = ((), (2,)) if d.key_dtype == "uint32" else ((),)
-    return all(s in single for s in _iteration_key_shapes(d))
-
-
-def _one_key_per_microbatch(d: Draw, larger: Draw) -> bool:
-    """A loop over microbatches (more iterations for a larger batch) in which one key draws
-    a non-scalar array each iteration: noise for a whole microbatch from one key."""
-    return (
-        bool(d.ctx.loops)
-        and d.shape == larger.shape
-        and bool(d.shape)
-        and _iteration_key_shapes(d) == _iteration_key_shapes(larger)
-        and _single_key(d)
-        and _trips(larger) > _trips(d)
-    )
-
-
-def _same_key_in_loop(d: Draw) -> bool:
-    return bool(d.ctx.loops) and d.ctx.loops[-1].marker not in d.key_info
-
-
-def _batch_draw_message(d: Draw) -> str:
-    text = (
-        f"one key draws noise of shape {d.shape} for a whole (micro)batch: an example's "
-        "noise is its row of one array, so it depends on the example's position and on the "
-        "batch size, not on the example"
-    )
-    if d.ctx.loops and _trips(d) > 1 and not _same_key_in_loop(d):
-        return (
-            f"{text}. The loop at {d.ctx.loops[-1].marker.site} runs once per microbatch "
-            "(more often for a larger batch) and each iteration draws from one key (split or "
-            "folded per microbatch, as Levanter's and MaxText's accumulation loops do): an "
-            "example's noise depends on which microbatch it lands in and where, so it changes "
-            "with the microbatch size. Fix: per-example keys, unsplit.example_keys(key, ids), "
-            "or unsplit.value_and_grad."
-        )
-    if _same_key_in_loop(d):
-        return (
-            f"{text}. Inside the loop at {d.ctx.loops[-1].marker.site} the key is the same at "
-            "every iteration, so every microbatch gets the same noise (T5X's microbatching "
-            "does this)."
-        )
-    if d.ctx.device_maps:
-        return f"{text}. Inside shard_map/pmap each device draws for its own share."
-    return f"{text}."
+def _walk(traced: audit_trace.Traced, argnums: tuple[int, ...]) -> tuple:
+    """The batched rules walked over ``traced`` with ``argnums`` as the batch."""
+    in_rows = [frozenset({0} if leaf.arg in argnums else ()) for leaf in traced.leaves]
+    rules = BatchedRules(in_rows)
+    walker = Walker(rules)
+    outs = walker.run(traced.closed, _infos(traced.leaves, argnums), _const_origin(traced, argnums))
+    return rules, walker, outs
 
 
 def _multisteps(outs: Sequence[Node], out_shape: Any) -> list[Finding]:

@@ -6,6 +6,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import unsplit
@@ -208,3 +209,131 @@ def test_a_pmapped_step_with_per_example_keys_passes():
         warnings.simplefilter("ignore", DeprecationWarning)
         step = _pmap(loss, (None, 0, 0))
         assert unsplit.audit_step(step, jnp.ones((3, 2)), jnp.ones((2, 4, 3)), keys) == []
+
+
+# ---- issue 40: a diffusers-style pmap script, microbatches stacked for accumulation ----
+
+
+def _diffusion_step():
+    """A ``jax.pmap(train_step, "batch")`` shaped like the diffusers Flax text-to-image
+    script: noise, timesteps and the UNet's dropout from keys split per step."""
+    import flax.linen as nn
+    import optax
+    from flax.training import train_state
+
+    class Unet(nn.Module):
+        @nn.compact
+        def __call__(self, x, t, text):
+            h = nn.Dense(16)(x) + nn.Dense(16)(text) + t[:, None] / 1000
+            return nn.Dense(x.shape[-1])(nn.Dropout(0.1, deterministic=False)(h))  # UNET_DROP
+
+    unet, encoder = Unet(), nn.Dense(8)
+
+    def train_step(state, text_encoder_params, batch, train_rng):
+        dropout_rng, sample_rng, new_train_rng = jax.random.split(train_rng, 3)
+
+        def compute_loss(params):
+            latents = batch["pixel_values"]
+            noise_rng, timestep_rng = jax.random.split(sample_rng)
+            noise = jax.random.normal(noise_rng, latents.shape)  # NOISE_DRAW
+            steps = jax.random.randint(timestep_rng, (latents.shape[0],), 0, 1000)  # T_DRAW
+            noisy = latents + noise * steps[:, None] / 1000
+            text = encoder.apply({"params": text_encoder_params}, batch["input_ids"])
+            pred = unet.apply({"params": params}, noisy, steps, text, rngs={"dropout": dropout_rng})
+            return jnp.mean((pred - noise) ** 2)
+
+        loss, grad = jax.value_and_grad(compute_loss)(state.params)
+        new_state = state.apply_gradients(grads=jax.lax.pmean(grad, "batch"))
+        return new_state, jax.lax.pmean({"loss": loss}, "batch"), new_train_rng
+
+    params = unet.init(KEY, jnp.ones((1, 4)), jnp.ones((1,)), jnp.ones((1, 8)))["params"]
+    text_params = encoder.init(KEY, jnp.ones((1, 3)))["params"]
+    state = train_state.TrainState.create(apply_fn=unet.apply, params=params, tx=optax.sgd(0.1))
+    return train_step, state, text_params
+
+
+@pytest.mark.usefixtures("standard_promotion")  # the script's own code mixes int and float
+def test_a_diffusers_style_pmap_script_names_its_lines():
+    from flax import jax_utils
+
+    train_step, state, text_params = _diffusion_step()
+    n = jax.local_device_count()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        p_train_step = jax.pmap(train_step, "batch", donate_argnums=(0,))
+        # As the script places them: replicated by flax (a mesh of axis '_device_put_sharded')
+        # and the batch sharded over the same axis, one key per device.
+        mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("_device_put_sharded",))
+        batch = {"pixel_values": jnp.ones((n, 2, 4)), "input_ids": jnp.ones((n, 2, 3))}
+        batch = jax.device_put(batch, jax.NamedSharding(mesh, jax.P("_device_put_sharded")))
+        args = (jax_utils.replicate(state), jax_utils.replicate(text_params), batch)
+        found = unsplit.audit_step(p_train_step, *args, jax.random.split(KEY, n))
+    noise = _line(train_step, "NOISE_DRAW")
+    assert [(f.kind, f.file, f.line) for f in found] == [
+        ("device_key", __file__, noise),
+        ("batch_draw", __file__, noise),
+    ]
+    also = f"{__file__.rsplit('/', 1)[-1]}:{_line(train_step, 'T_DRAW')}"
+    assert all(also in f.message for f in found)
+    assert "batch_batched_test" not in found[1].message  # the script's own lines, no internals
+    assert f":{_unet_drop_line()}" in found[1].message  # the UNet's dropout, same key
+
+
+def _unet_drop_line():
+    source = inspect.getsource(_diffusion_step).splitlines()
+    offset = next(i for i, t in enumerate(source) if "UNET_DROP" in t)
+    return _diffusion_step.__code__.co_firstlineno + offset
+
+
+ACCUMULATION = 4
+
+
+def _stacked_accumulation(model):
+    """Gradient accumulation as Flax trainers write it: the batch stacked ``(K, mb, ...)``,
+    a Python loop of ``K`` steps, a key split per microbatch for its dropout."""
+
+    @jax.jit
+    def train_step(params, batch, key):
+        keys = jax.random.split(key, ACCUMULATION)
+        grads = jax.tree.map(jnp.zeros_like, params)
+        for i in range(ACCUMULATION):
+            micro = jax.tree.map(lambda x, i=i: x[i], batch)
+
+            def loss(p, micro=micro, i=i):
+                pred = model.apply({"params": p}, micro["x"], rngs={"dropout": keys[i]})  # APPLY
+                return jnp.mean((pred[:, 0] - micro["y"]) ** 2)
+
+            grads = jax.tree.map(jnp.add, grads, jax.grad(loss)(params))
+        return jax.tree.map(lambda g: g / ACCUMULATION, grads)
+
+    return train_step
+
+
+def test_microbatches_stacked_for_accumulation_are_a_batch_draw_at_dropout_and_apply():
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.Dense(16)(x))
+            return nn.Dense(1)(nn.Dropout(0.1, deterministic=False)(h))  # MLP_DROP
+
+    model = MLP()
+    params = model.init(KEY, jnp.ones((1, 8)))["params"]
+    batch = {"x": jnp.ones((ACCUMULATION, 8, 8)), "y": jnp.ones((ACCUMULATION, 8))}
+    step = _stacked_accumulation(model)
+    (found,) = unsplit.audit_step(step, params, batch, KEY)
+    assert found.kind == "batch_draw"
+    here = test_microbatches_stacked_for_accumulation_are_a_batch_draw_at_dropout_and_apply
+    assert (found.file, found.line) == (__file__, _line(here, "MLP_DROP"))
+    apply = f"{__file__.rsplit('/', 1)[-1]}:{_line(_stacked_accumulation, 'APPLY')}"
+    assert apply in found.message, found.message
+    assert f"holds {ACCUMULATION} microbatches stacked" in found.message
+
+
+def test_one_key_drawing_noise_shared_by_every_example_is_no_stacked_batch_draw():
+    def step(w, batch, key):
+        noise = jax.random.normal(key, batch["x"].shape[1:])  # the same for every example
+        return jnp.sum((batch["x"] + noise[None]) @ w)
+
+    assert unsplit.audit_step(step, jnp.ones((8, 2)), {"x": jnp.ones((4, 6, 8))}, KEY) == []

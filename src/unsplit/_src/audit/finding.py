@@ -308,6 +308,20 @@ def python_site(frames: Iterable[Any]) -> Site:
 
 
 @functools.cache
+def traced_sites(eqn: Any) -> tuple[Site, ...]:
+    """:func:`user_sites` up to the audit's own frame: the traced step's frames alone (the
+    script that called ``unsplit.audit_step`` is no part of it)."""
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    sites = []
+    for f in traceback.frames if traceback is not None else ():
+        path = os.path.abspath(f.file_name)
+        if path.startswith(_AUDIT_DIR) and not path.endswith("_test.py"):
+            break
+        if is_user_file(f.file_name):
+            sites.append(Site(f.file_name, f.line_num, f.function_name))
+    return tuple(sites)
+
+
 def is_user_file(path: str) -> bool:
     """True unless ``path`` belongs to a library a training step is built from."""
     if path.startswith("<"):
@@ -325,6 +339,7 @@ def is_user_file(path: str) -> bool:
 
 
 _UNSPLIT_SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_AUDIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _UNSPLIT_TESTING = os.path.join(os.path.dirname(_UNSPLIT_SRC.rstrip(os.sep)), "testing") + os.sep
 # unsplit's own modules that are models rather than library machinery.
 _UNSPLIT_USER_FILES = frozenset({"models/transformer.py", "models/specs.py", "test_util.py"})

@@ -49,7 +49,7 @@ from unsplit._src.audit.finding import (  # AuditError, raise_for: re-exported f
 from unsplit._src.audit.graph import Walker, roots
 from unsplit._src.audit.keys import THREEFRY_DTYPE, Draw, KeyRules, default_impl_note
 from unsplit._src.audit.padding import Program, padding_findings
-from unsplit._src.audit.state import Recorder, captured_module_finding, dropped_message
+from unsplit._src.audit.state import Recorder, captured_module_finding, dropped_message, rng_streams
 from unsplit._src.audit.values import Info, Node, Origin
 
 __all__ = ["AuditError", "audit_loss", "check_loss", "raise_for"]
@@ -137,7 +137,7 @@ def check_loss(
     if "unsafe_key" in kinds:
         found += unsafe_key_findings(draws)
     if "foreign_key" in kinds:
-        found += foreign_key_findings(draws)
+        found += foreign_key_findings(draws, rng_streams(params))
     if "device_key" in kinds:
         found += device_key_findings(draws)
     if "cross_example" in kinds:
@@ -241,7 +241,11 @@ def unsafe_key_findings(draws: Sequence[Draw]) -> list[Finding]:
     return out
 
 
-def foreign_key_findings(draws: Sequence[Draw]) -> list[Finding]:
+def foreign_key_findings(
+    draws: Sequence[Draw], streams: dict[str, str] | None = None
+) -> list[Finding]:
+    """``streams``: the params' NNX stream keys by label (:func:`.state.rng_streams`)."""
+    streams = streams or {}
     groups: dict[Info, list[Draw]] = {}
     for d in draws:
         if not any(o.kind == "example_key" for o in d.key_info):
@@ -249,16 +253,37 @@ def foreign_key_findings(draws: Sequence[Draw]) -> list[Finding]:
     out = []
     for root, group in groups.items():
         where = _where(group)
-        out.append(finding("foreign_key", f"{_foreign_cause(root)}{where}", group[0].site))
+        message = f"{_foreign_cause(root, streams)}{where}"
+        out.append(finding("foreign_key", message, group[0].site, _reseed_fix(root, streams)))
     return out
 
 
-def _foreign_cause(root: Info) -> str:
+def _reseed_fix(root: Info, streams: dict[str, str]) -> str | None:
+    """For a draw from a module's own NNX stream: reseed the streams it has (by name)."""
+    drawn = sorted({streams[o.label] for o in root if o.kind == "param" and o.label in streams})
+    if not drawn:
+        return None
+    named = ", ".join(f"{t}=key" for t in drawn)
+    return (
+        f"reseed the module's streams from the loss's `key` first: nnx.reseed(model, {named}) "
+        f"(the streams this model has: {', '.join(sorted(set(streams.values())))}; a stream "
+        "the model does not have, such as dropout= on layers built from nnx.Rngs(0), whose "
+        "stream is 'default', changes nothing); or call the layer with rngs=nnx.Rngs(key)"
+    )
+
+
+def _foreign_cause(root: Info, streams: dict[str, str]) -> str:
     by_kind = {o.kind: o for o in sorted(root, key=lambda o: o.label)}
     keyed_param = [o for o in root if o.kind == "param" and o.label != "params"]
     if "seed" in by_kind:
         seed = by_kind["seed"]
         cause = f"this draw's key is made inside the loss by {seed.label} (at {seed.site})"
+    elif keyed_param and keyed_param[0].label in streams:
+        cause = (
+            f"this draw's key is read from {keyed_param[0].label}, the module's own nnx.Rngs "
+            f"stream '{streams[keyed_param[0].label]}' (an nnx.reseed of another stream "
+            "leaves it as it is), not derived from the example's key"
+        )
     elif keyed_param:
         cause = (
             f"this draw's key is read from {keyed_param[0].label} (a stream held by the module, "

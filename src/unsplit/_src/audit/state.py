@@ -187,3 +187,22 @@ def captured_module_finding(error: BaseException) -> Finding | None:
         "see one example, never the batch.",
         site,
     )
+
+
+def rng_streams(params: Any, name: str = "params") -> dict[str, str]:
+    """The NNX ``Rngs`` stream keys ``params`` holds: each key's traced label (as
+    :func:`unsplit._src.audit.trace.trace` names it, ``params.dropout.rngs.key.value``)
+    -> its stream's name (``"default"`` for a module built from ``nnx.Rngs(0)``).
+
+    Read from the variables' ``tag`` (Flax is not imported: ``{}`` for other params).
+    """
+
+    def is_stream_key(x: Any) -> bool:
+        return type(x).__name__ == "RngKey" and isinstance(getattr(x, "tag", None), str)
+
+    out = {}
+    for path, var in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_stream_key)[0]:
+        if is_stream_key(var):
+            for inner, _ in jax.tree_util.tree_flatten_with_path(var)[0]:
+                out[name + jax.tree_util.keystr((*path, *inner))] = var.tag
+    return out

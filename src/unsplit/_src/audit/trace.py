@@ -142,8 +142,17 @@ def trace(
         return fn(*jax.tree_util.tree_unflatten(treedef, full))
 
     avals = [leaf.aval for leaf in leaves]
-    with _input_mesh(avals) if keep_sharding else contextlib.nullcontext():
-        closed, out_shape = make_jaxpr(traced, avals)
+    mesh = _input_mesh(avals) if keep_sharding else contextlib.nullcontext()
+    try:
+        with mesh:
+            closed, out_shape = make_jaxpr(traced, avals)
+    except Exception:
+        if isinstance(mesh, contextlib.nullcontext):
+            raise
+        # A step that brings its own mesh: a jax.pmap (a shard_map over its axis name) given
+        # arrays placed by flax.jax_utils.replicate (a mesh of axis '_device_put_sharded'),
+        # which refuses the inputs' mesh as the context mesh. Traced without it, as it runs.
+        closed, out_shape = make_jaxpr(traced, avals)  # its own error, if it has one
     return Traced(closed, leaves, out_shape, tuple(static))
 
 
@@ -170,19 +179,20 @@ def leading_sizes(tree: Any) -> set[int | None]:
     }
 
 
-def infer_batch_argnums(args: Sequence[Any]) -> tuple[int, ...]:
-    """Which arguments hold the batch: every array leaf has one leading size ``B``.
+def infer_batch_argnums(args: Sequence[Any], axis: int = 0) -> tuple[int, ...]:
+    """Which arguments hold the batch: every array leaf has one size ``B`` at ``axis``
+    (the leading one; 1 for the arguments a ``jax.pmap`` takes stacked per device).
 
     Key arguments are never the batch. With several candidates the first
     argument (the params, by convention) is dropped, and the candidates
-    sharing the most common leading size are kept.
+    sharing the most common size are kept.
     """
     candidates = []
     for i, arg in enumerate(args):
         leaves = [x for x in jax.tree_util.tree_leaves(arg) if is_array(x)]
         if not leaves or any(is_key(x) for x in leaves):
             continue
-        sizes = leading_sizes(arg)
+        sizes = {np.shape(x)[axis] if np.ndim(x) > axis else None for x in leaves}
         if len(sizes) == 1 and None not in sizes:
             candidates.append((i, sizes.pop()))
     if len(candidates) > 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, NamedTuple
 
-from unsplit._src.audit.finding import UNKNOWN, Site, eqn_site
+from unsplit._src.audit.finding import UNKNOWN, Site, eqn_site, traced_sites
 
 CALLS = frozenset(
     {"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint"}
@@ -84,10 +84,12 @@ class Ctx:
     top: bool = True  # in the flat program (no enclosing loop, branch or device map)
     silent: bool = False  # a fixpoint iteration: rules must not report
     site: Site = UNKNOWN  # the user site of the innermost enclosing equation that has one
+    callers: tuple[Site, ...] = ()  # that equation's user frames, innermost first
 
     def enter(self, eqn: Any, **changes: Any) -> Ctx:
+        callers = traced_sites(eqn) or self.callers
         return dataclasses.replace(
-            self, path=(*self.path, id(eqn)), site=self.site_of(eqn), **changes
+            self, path=(*self.path, id(eqn)), site=self.site_of(eqn), callers=callers, **changes
         )
 
     def site_of(self, eqn: Any) -> Site:

@@ -4,10 +4,12 @@
 program. A bitwise step runs several programs (pack, one chunk program per chunk and
 group, combine, unpack), so its per-device memory is the peak they hold together:
 
-* held through the step: the params the caller holds, the flat params the pack
-  program makes (one copy per device: every chunk program reads it) and the partial
-  sums the canonical tree holds: each chunk's sums are added as soon as their sibling
-  is there, so a group of ``c`` chunks holds at most ``floor(log2 c) + 1`` of them;
+* held through the step: the params and frozen inputs the caller holds, the flat
+  params the pack program makes (one copy per device: every chunk program reads it;
+  frozen inputs the devices already hold are no part of it, the chunk programs read
+  the caller's buffers) and the partial sums the canonical tree holds: each chunk's
+  sums are added as soon as their sibling is there, so a group of ``c`` chunks holds
+  at most ``floor(log2 c) + 1`` of them;
 * on top, the largest of: a chunk program's other arguments (one chunk of rows, the
   key, the ids) and its temp; the combine program (its inputs, outputs and temp); the
   unpack program (likewise).
@@ -29,11 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from unsplit._src import frozen as frozen_lib
 from unsplit._src import links
 from unsplit._src.bitwise import reduce, traffic
 from unsplit._src.bitwise.step import BitwiseStep
@@ -50,8 +53,10 @@ class BitwiseCost:
     Attributes:
         memory_per_device: the peak bytes a step holds on one device, each buffer once:
             ``params_bytes + flat_params_bytes + partial_sums_bytes + program_peak_bytes``.
-        params_bytes: the params the caller holds (one device's shards).
-        flat_params_bytes: the flat params vectors the pack program makes.
+        params_bytes: the params and frozen inputs the caller holds (one device's shards).
+        flat_params_bytes: the flat params vectors the pack program makes, and the frozen
+            inputs sharded over the batch axes gathered whole (frozen inputs the devices
+            already hold are not copied: the chunk programs read the caller's buffers).
         partial_sums_bytes: the partial sums the canonical tree holds at most at once.
         program_peak_bytes: the largest of a chunk program's rows, key, ids and temp,
             the combine program's and the unpack program's memory.
@@ -63,6 +68,7 @@ class BitwiseCost:
         chunk_collectives: collectives in a chunk program (model-parallel layouts).
         chunk_bytes_sent: what one chunk program sends per device (groups of several
             devices: the params' all-gather and the in-group reduce of the sums).
+        frozen_bytes: the part of ``params_bytes`` that is frozen inputs (``frozen=``).
     """
 
     memory_per_device: int
@@ -75,51 +81,130 @@ class BitwiseCost:
     chunk_programs: int
     chunk_collectives: int
     chunk_bytes_sent: float = 0.0
+    frozen_bytes: int = 0
 
 
 def bitwise_cost(
-    step: Any, params: Any, batch: Any, key: jax.Array, ids: Any = None
+    step: Any, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, frozen: Any = None
 ) -> BitwiseCost:
     """The per-device memory and bytes sent of ``step`` (``bitwise=True``) on these inputs.
 
-    Runs the step once if its programs for inputs of this shape are not compiled yet.
-    Per-example losses only: a ``batch_loss`` step runs other programs (its passes).
+    Takes the step's arguments as the step does, ``frozen=`` included (the same
+    checks: a loss that needs ``frozen`` called without it is refused with the
+    step's ``TypeError``). Compiles the step's programs for inputs of this shape
+    if they are not compiled yet; runs none of the loss. Per-example losses only:
+    a ``batch_loss`` step runs other programs (its passes).
     """
+    state, placed = _compiled(step, params, batch, key, ids, frozen, "bitwise_cost")
+    with jax.set_mesh(None):  # its programs are compiled on their own meshes, as the step runs
+        return _cost(state, placed)
+
+
+def _compiled(step: Any, params, batch, key, ids, frozen, what: str) -> tuple[Any, Any]:
+    """The step's runner for these inputs, its programs compiled, and the placed params."""
     engine = getattr(step, "_engine", None)
     if not isinstance(engine, BitwiseStep):
         raise TypeError(
-            f"bitwise_cost reads a bitwise step's programs; got {step!r}. Fix: pass a step "
+            f"{what} reads a bitwise step's programs; got {step!r}. Fix: pass a step "
             "made with unsplit.value_and_grad(..., bitwise=True); for default mode, "
             "step.lower(params, batch, key).compile().memory_analysis() describes its program."
         )
     if engine.spec.coupled:
         raise NotImplementedError(
-            "bitwise_cost covers per-example losses; a batch_loss step runs its passes' own "
+            f"{what} covers per-example losses; a batch_loss step runs its passes' own "
             "programs (features, batch loss, pullback), which it does not account for yet. "
             "Fix: measure the process's peak memory instead (as the Benchmarks guide does, "
             f"{links.doc_page('benchmarks', 'losses-that-couple-examples-batch_loss')})."
         )
-    grouped, _ = step._group(batch, ids)
-    state, placed = engine.prepare(params, grouped, key)
-    if not state.executables:
-        step(params, batch, key, ids)
-    with jax.set_mesh(None):  # its programs are compiled on their own meshes, as the step runs
-        return _cost(state, placed)
+    grouped, grouped_ids = step._group(batch, ids)
+    # The step's own checks: frozen= given exactly when the loss takes it (the arity error).
+    words = step._inputs.check(params, grouped, key, grouped_ids, frozen, audit=False)
+    state, placed = engine.prepare(frozen_lib.combine(params, frozen), grouped, key)
+    if not state.executables:  # compiled for these inputs (placed as a call places them)
+        with jax.set_mesh(None):
+            state._compile(state._inputs(placed, engine.place_batch(grouped), words, key))
+    return state, placed
+
+
+class BitwiseLowered:
+    """A bitwise step's programs for some inputs: what ``step.lower(...)`` returns in bitwise
+    mode, as ``jax.stages.Lowered`` does for one program. :meth:`compile` compiles them
+    (runs none of the loss) and reads them (:class:`BitwiseCompiled`)."""
+
+    def __init__(self, step: Any, args: tuple, frozen: Any):
+        self._step, self._args, self._frozen = step, args, frozen
+
+    def compile(self) -> BitwiseCompiled:
+        params, batch, key, ids = self._args
+        state, placed = _compiled(self._step, params, batch, key, ids, self._frozen, "step.lower")
+        with jax.set_mesh(None):
+            return BitwiseCompiled(_cost(state, placed), state)
+
+    def as_text(self) -> str:
+        """The chunk program's HLO (the one program that computes; the others move data)."""
+        return self.compile().as_text()
+
+
+class BitwiseMemory(NamedTuple):
+    """:meth:`BitwiseCompiled.memory_analysis`: the step's peak per device (their sum is
+    :attr:`BitwiseCost.memory_per_device`), in the fields of XLA's memory analysis."""
+
+    argument_size_in_bytes: int  # the params and frozen inputs the caller holds
+    output_size_in_bytes: int  # the grads and loss one device gets
+    temp_size_in_bytes: int  # the rest: flat params, partial sums, a program's own peak
+
+
+class BitwiseCompiled:
+    """A bitwise step's compiled programs, read as ``jax.stages.Compiled`` is for one.
+
+    Attributes:
+        cost: the step's :class:`BitwiseCost` (memory per device, bytes sent).
+    """
+
+    def __init__(self, cost: BitwiseCost, state: Any):
+        self.cost = cost
+        self._state = state
+
+    def memory_analysis(self) -> BitwiseMemory:
+        """Per device, each buffer once; the three fields add up to ``cost.memory_per_device``."""
+        with jax.set_mesh(None):
+            out = _unpack_compiled(self._state).memory_analysis().output_size_in_bytes
+        temp = self.cost.memory_per_device - self.cost.params_bytes - out
+        return BitwiseMemory(self.cost.params_bytes, out, temp)
+
+    def cost_analysis(self) -> dict[str, float]:
+        """XLA's cost analysis of the programs one device runs per step, added up: its
+        chunk programs (one per chunk of its group), the combine and the unpack."""
+        state = self._state
+        chunk = next(iter(state.executables.values()))
+        parts = [(chunk, state.plan.per_group), (state.combine_compiled(), 1)]
+        total: dict[str, float] = {}
+        for compiled, times in parts:
+            analysis = compiled.cost_analysis()
+            for name, value in (analysis[0] if isinstance(analysis, list) else analysis).items():
+                total[name] = total.get(name, 0.0) + times * float(value)
+        return total
+
+    def as_text(self) -> str:
+        """The chunk program's compiled HLO (the one program that computes)."""
+        return next(iter(self._state.executables.values())).as_text()
 
 
 def _cost(state: Any, params: Any) -> BitwiseCost:
     plan = state.plan
-    flat = sum(_device_bytes(v) for v in state.pack(params))
+    packed = sum(_device_bytes(v) for v in state.pack(params))
+    # Frozen leaves are chunk program arguments of their own: the caller's buffers, or the
+    # copies gathered over the batch axes (those count as flat params).
+    held_frozen = state.held(params)[state.local_groups[0]]
+    direct = sum(_device_bytes(x) for x in held_frozen)
+    gathered = zip(held_frozen, state.held.gather, strict=True)
+    flat = packed + sum(_device_bytes(x) for x, g in gathered if g)
     chunks = list(state.executables.values())
     chunk = max(chunks, key=_memory).memory_analysis()
     sums = chunk.output_size_in_bytes
-    chunk_rest = chunk.argument_size_in_bytes - flat + chunk.temp_size_in_bytes
+    chunk_rest = chunk.argument_size_in_bytes - packed - direct + chunk.temp_size_in_bytes
     combine = state.combine_compiled()
-    totals = [
-        jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=state.total_sharding)
-        for t in jax.eval_shape(state.combine, *state.combine_slots())
-    ]
-    unpack = state.unpack.lower(totals).compile()
+    unpack = _unpack_compiled(state)
     held = sum(_device_bytes(x) for x in jax.tree.leaves(params))
     peak = max(chunk_rest, _memory(combine), _memory(unpack))
     chunk_text = max((c.as_text() for c in chunks), key=traffic.bytes_sent)
@@ -144,7 +229,17 @@ def _cost(state: Any, params: Any) -> BitwiseCost:
         chunk_programs=plan.per_group,
         chunk_collectives=max(len(_COLLECTIVE.findall(c.as_text())) for c in chunks),
         chunk_bytes_sent=chunk_sent,
+        frozen_bytes=sum(_device_bytes(x) for x in jax.tree.leaves(frozen_lib.frozen_of(params))),
     )
+
+
+def _unpack_compiled(state: Any) -> Any:
+    """The unpack program, compiled for the combine's outputs."""
+    totals = [
+        jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=state.total_sharding)
+        for t in jax.eval_shape(state.combine, *state.combine_slots())
+    ]
+    return state.unpack.lower(totals).compile()
 
 
 def _held_sums(first: int, count: int) -> int:

@@ -112,3 +112,75 @@ def test_the_canonical_tree_holds_log2_chunks_of_partial_sums():
     assert one_chunk >= WIDTH * WIDTH * 4
     assert costs[8].chunk_programs == 8
     assert costs[8].partial_sums_bytes == 4 * one_chunk  # floor(log2 8) + 1, not 8
+
+
+# Frozen inputs (issue 40, items 1 and 2): bitwise_cost and lower take frozen=, and a
+# frozen base is held once per device, as default mode's program holds it.
+BASE, RANK = 256, 4
+
+
+def lora_loss(lora, x, key, base):
+    h = x @ base["w"] + (x @ lora["a"]) @ lora["b"]
+    return jnp.mean(unsplit.dropout(key, jnp.tanh(h), 0.1) ** 2)
+
+
+def lora_problem(base_spec):
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    base = {"w": rng.normal(size=(BASE, BASE)).astype(np.float32) / 16}
+    lora = {
+        "a": rng.normal(size=(BASE, RANK)).astype(np.float32) / 16,
+        "b": rng.normal(size=(RANK, BASE)).astype(np.float32) / 16,
+    }
+    x = rng.normal(size=(64, BASE)).astype(np.float32)
+    return (
+        mesh,
+        jax.device_put(lora, NamedSharding(mesh, P())),
+        jax.device_put(base, NamedSharding(mesh, base_spec)),
+        jax.device_put(x, NamedSharding(mesh, P("data"))),
+        jax.random.key(0),
+    )
+
+
+@pytest.mark.parametrize("base_spec", [P(), P("data", None)], ids=["replicated", "fsdp"])
+def test_a_frozen_base_is_held_once_per_device(base_spec):
+    mesh, lora, base, x, key = lora_problem(base_spec)
+    bitwise = unsplit.value_and_grad(lora_loss, mesh=mesh, bitwise=True)
+    default = unsplit.value_and_grad(lora_loss, mesh=mesh)
+    cost = unsplit.testing.bitwise_cost(bitwise, lora, x, key, frozen=base)
+    base_bytes, lora_bytes = BASE * BASE * 4, 2 * BASE * RANK * 4
+    sharded = base_spec != P()
+    assert cost.frozen_bytes == base_bytes // (8 if sharded else 1)
+    # The flat params are the adapters; a sharded base is gathered whole once (the chunk
+    # programs read it in place), a replicated one not copied at all.
+    assert cost.flat_params_bytes == lora_bytes + (base_bytes if sharded else 0)
+    analysis = default.lower(lora, x, key, frozen=base).compile().memory_analysis()
+    default_bytes = sum(
+        getattr(analysis, f"{n}_size_in_bytes") for n in ("argument", "output", "temp")
+    )
+    # Default mode's program holds the base once (gathered in its temp when sharded);
+    # bitwise mode holds it once too, plus the adapters' sums and one chunk's activations.
+    assert cost.memory_per_device < default_bytes + base_bytes // 4
+
+
+def test_lower_in_bitwise_mode_reads_all_its_programs():
+    mesh, lora, base, x, key = lora_problem(P())
+    step = unsplit.value_and_grad(lora_loss, mesh=mesh, bitwise=True)
+    compiled = step.lower(lora, x, key, frozen=base).compile()
+    memory = compiled.memory_analysis()
+    assert sum(memory) == compiled.cost.memory_per_device
+    assert memory.argument_size_in_bytes == compiled.cost.params_bytes
+    assert compiled.cost == unsplit.testing.bitwise_cost(step, lora, x, key, frozen=base)
+    chunk_flops = 2 * 8 * BASE * BASE  # the base's matmul on one device's chunk of 8 rows
+    assert compiled.cost_analysis()["flops"] >= chunk_flops
+    assert "HloModule" in compiled.as_text() and "dot" in compiled.as_text()
+
+
+def test_a_missing_frozen_is_refused_with_the_steps_message():
+    mesh, lora, _, x, key = lora_problem(P())
+    for bitwise in (False, True):
+        step = unsplit.value_and_grad(lora_loss, mesh=mesh, bitwise=bitwise)
+        with pytest.raises(TypeError, match=r"needs a frozen argument.*frozen=frozen"):
+            step.lower(lora, x, key).compile()
+    with pytest.raises(TypeError, match=r"needs a frozen argument.*frozen=frozen"):
+        unsplit.testing.bitwise_cost(step, lora, x, key)  # the bitwise one

@@ -6,6 +6,9 @@ and device whatever the number of parameters, and every add of partial sums is
 one elementwise add over all of them (exactly rounded, as per leaf).
 
 Typed PRNG keys travel as their ``uint32`` key data and are wrapped again.
+Arrays marked ``direct`` (a frozen base each device already holds) are no part of
+the vectors: they travel as themselves, after them, and are merged back in order;
+packing them would copy them on every device.
 
 Example:
     >>> import jax.numpy as jnp
@@ -15,6 +18,12 @@ Example:
     >>> [v.shape for v in plan.pack(leaves)]
     [(11,), (4,)]
     >>> [x.shape for x in plan.unpack(plan.pack(leaves))]
+    [(2, 3), (4,), (5,)]
+    >>> plan = FlatPlan.of(leaves, direct=[False, False, True])
+    >>> vectors = plan.pack(plan.packed(leaves))
+    >>> [v.shape for v in vectors]
+    [(6,), (4,)]
+    >>> [x.shape for x in plan.unpack([*vectors, *plan.directs(leaves)])]
     [(2, 3), (4,), (5,)]
 """
 
@@ -40,20 +49,31 @@ class FlatPlan:
     dtypes: tuple[Any, ...]  # each array's dtype (a key dtype for typed keys)
     impls: tuple[Any, ...]  # each typed key's PRNG implementation (None for other arrays)
     vectors: tuple[Any, ...]  # the flat vectors' dtypes, in order of first use
-    slots: tuple[tuple[int, int], ...]  # (vector index, offset) per array
+    slots: tuple[tuple[int, int], ...]  # (vector index, offset) per array (direct: unused)
     lengths: tuple[int, ...]  # per vector
+    direct: tuple[bool, ...] = ()  # per array: travels as itself, after the vectors
 
     @staticmethod
-    def of(arrays: Sequence[Any], shapes: Sequence[tuple[int, ...]] | None = None) -> FlatPlan:
-        """The plan for ``arrays`` (or their given local ``shapes``)."""
+    def of(
+        arrays: Sequence[Any],
+        shapes: Sequence[tuple[int, ...]] | None = None,
+        *,
+        direct: Sequence[bool] | None = None,
+    ) -> FlatPlan:
+        """The plan for ``arrays`` (or their given local ``shapes``); ``direct`` marks those
+        that are not packed."""
         shapes = [tuple(np.shape(a)) for a in arrays] if shapes is None else list(shapes)
+        direct = (False,) * len(shapes) if direct is None else tuple(direct)
         is_key = [keys_lib.is_typed_key(a) for a in arrays]
         dtypes = [a.dtype if k else jnp.result_type(a) for a, k in zip(arrays, is_key, strict=True)]
         impls = [jax.random.key_impl(a) if k else None for a, k in zip(arrays, is_key, strict=True)]
         vectors: list[Any] = []
         lengths: list[int] = []
         slots = []
-        for shape, dtype in zip(shapes, dtypes, strict=True):
+        for shape, dtype, alone in zip(shapes, dtypes, direct, strict=True):
+            if alone:
+                slots.append((-1, 0))
+                continue
             storage, per_element = _storage(dtype)
             if storage not in vectors:
                 vectors.append(storage)
@@ -62,13 +82,29 @@ class FlatPlan:
             slots.append((v, lengths[v]))
             lengths[v] += math.prod(shape) * per_element
         return FlatPlan(
-            tuple(shapes), tuple(dtypes), tuple(impls), tuple(vectors), tuple(slots), tuple(lengths)
+            tuple(shapes),
+            tuple(dtypes),
+            tuple(impls),
+            tuple(vectors),
+            tuple(slots),
+            tuple(lengths),
+            direct,
         )
 
+    def packed(self, items: Sequence[Any]) -> list[Any]:
+        """Those of ``items`` (one per array) that go into the vectors."""
+        return [x for x, alone in zip(items, self.direct, strict=True) if not alone]
+
+    def directs(self, items: Sequence[Any]) -> list[Any]:
+        """Those of ``items`` (one per array) that travel as themselves."""
+        return [x for x, alone in zip(items, self.direct, strict=True) if alone]
+
     def pack(self, arrays: Sequence[Any]) -> list[jax.Array]:
-        """The flat vectors (one per storage dtype)."""
+        """The flat vectors (one per storage dtype) of ``arrays``: those that are not direct
+        (:meth:`packed`), in order."""
         parts: list[list[jax.Array]] = [[] for _ in self.vectors]
-        for a, dtype, (v, _) in zip(arrays, self.dtypes, self.slots, strict=True):
+        dtypes, slots = self.packed(self.dtypes), self.packed(self.slots)
+        for a, dtype, (v, _) in zip(arrays, dtypes, slots, strict=True):
             data = jax.random.key_data(a) if jnp.issubdtype(dtype, jax.dtypes.prng_key) else a
             parts[v].append(jnp.ravel(data).astype(self.vectors[v]))
         return [
@@ -77,10 +113,16 @@ class FlatPlan:
         ]
 
     def unpack(self, vectors: Sequence[jax.Array]) -> list[jax.Array]:
-        """The arrays back from their flat vectors (exact: slices and reshapes)."""
+        """Every array back, in order: from the flat vectors (exact: slices and reshapes),
+        and each direct array as it comes after them (``[*vectors, *directs]``)."""
+        n = len(self.vectors)
+        return self.merged(self.unpacked(vectors[:n]), vectors[n:])
+
+    def unpacked(self, vectors: Sequence[jax.Array]) -> list[jax.Array]:
+        """The arrays that are not direct, from the flat vectors alone."""
         out = []
-        for shape, dtype, impl, (v, offset) in zip(
-            self.shapes, self.dtypes, self.impls, self.slots, strict=True
+        for shape, dtype, impl, (v, offset) in self.packed(
+            list(zip(self.shapes, self.dtypes, self.impls, self.slots, strict=True))
         ):
             if impl is not None:
                 n = math.prod(shape) * 2
@@ -90,6 +132,11 @@ class FlatPlan:
                 n = math.prod(shape)
                 out.append(vectors[v][offset : offset + n].reshape(shape).astype(dtype))
         return out
+
+    def merged(self, packed: Sequence[Any], directs: Sequence[Any]) -> list[Any]:
+        """Every array in order, from those that were packed and the direct ones."""
+        packed_it, direct_it = iter(packed), iter(directs)
+        return [next(direct_it) if alone else next(packed_it) for alone in self.direct]
 
 
 def _storage(dtype: Any) -> tuple[Any, int]:

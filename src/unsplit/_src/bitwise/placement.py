@@ -206,6 +206,68 @@ class Placer:
             return self.one_device(jax.device_put(x, self.devices[0]))
         return replicate(x, self.replicated)
 
+    def held(self, x: jax.Array, spec: P) -> jax.Array:
+        """``x``, whose every device already holds the block ``spec`` gives it on the group's
+        mesh (a replicated frozen base), as the group's array: its buffers, no copy. A host
+        value (NumPy) is copied to the group's devices whole."""
+        if not isinstance(x, jax.Array):
+            return self.whole(x)
+        if self.size == 1:
+            return self.one_device(shards_by_device(x)[self.devices[0]].data)
+        return rename(x, NamedSharding(self.gmesh, spec))
+
+
+class Held:
+    """Each group's frozen inputs (``plan.params_flat.direct``) as the chunk programs take them,
+    never copied into the flat params.
+
+    A leaf every device holds as its group computes with it (replicated, or sharded over
+    group axes only) is taken as it is: the caller's buffers, no copy (:meth:`Placer.held`).
+    One sharded over outer batch axes is gathered over them first, in one exact program,
+    as default mode's program gathers it. Both are looked up again only when other arrays
+    come (compared by identity; with several processes the gather runs on every call, so
+    every process runs the same collectives). ``placer(g)``: group ``g``'s :class:`Placer`.
+    """
+
+    def __init__(self, placer, groups: list[int], plan: Any):
+        self.placer, self.groups = placer, groups
+        flat = plan.params_flat
+        direct = iter(flat.direct)
+        self.mask = [m and next(direct) for m in plan.structure.array_mask]  # per params leaf
+        self.specs = flat.directs(plan.local_specs)
+        # The leaves to gather: sharded over an outer batch axis (their spec on the user's
+        # mesh is not their spec in the group), gathered to their group's spec.
+        self.gather = [
+            partition.spec_axes(s) != partition.spec_axes(ls)
+            for s, ls in zip(flat.directs(plan.specs), self.specs, strict=True)
+        ]
+        mesh = plan.layout.required_mesh()
+        targets = [
+            NamedSharding(mesh, s) for s, g in zip(self.specs, self.gather, strict=True) if g
+        ]
+        self._gathered = jax.jit(lambda xs: xs, out_shardings=targets) if targets else None
+        self._leaves: list = []  # the arrays looked up last (compared by identity)
+        self._held: dict[int, list] = {g: [] for g in groups}
+
+    def __call__(self, params: Any) -> dict[int, list]:
+        leaves = [x for x, m in zip(jax.tree.leaves(params), self.mask, strict=True) if m]
+        same = len(leaves) == len(self._leaves) and all(
+            a is b for a, b in zip(leaves, self._leaves, strict=True)
+        )
+        if same and (self._gathered is None or jax.process_count() == 1):
+            return self._held
+        self._leaves = leaves
+        if self._gathered is not None:
+            gathered = iter(
+                self._gathered([x for x, g in zip(leaves, self.gather, strict=True) if g])
+            )
+            leaves = [next(gathered) if g else x for x, g in zip(leaves, self.gather, strict=True)]
+        self._held = {
+            g: [self.placer(g).held(x, s) for x, s in zip(leaves, self.specs, strict=True)]
+            for g in self.groups
+        }
+        return self._held
+
 
 def gathered_blocks(blocks: list, gathers: list, sizes: dict) -> list:
     """Inside ``shard_map``: each block gathered over its batch axes, with **one** all-gather.

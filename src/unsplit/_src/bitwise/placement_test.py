@@ -14,12 +14,14 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
+from unsplit._src import frozen as frozen_lib
 from unsplit._src import test_util as testing
 from unsplit._src.bitwise import placement
 from unsplit._src.models import transformer as tf
@@ -227,3 +229,68 @@ def test_blocks_gathered_in_one_collective_are_the_per_dimension_all_gathers():
         np.testing.assert_array_equal(a, b)
     hlo = run(one).lower(*args).compile().as_text()
     assert hlo.count("all-gather(") + hlo.count("all-gather-start(") == 1
+
+
+# Frozen inputs (issue 40, items 1 and 3): never packed into the flat params, the caller's
+# buffers where every device holds them, gathered once where they are sharded.
+LORA_D, LORA_R = 64, 4
+
+
+def lora_loss(lora, x, key, base):
+    h = x @ base["w"] + (x @ lora["a"]) @ lora["b"]
+    return jnp.mean(unsplit.dropout(key, jnp.tanh(h), 0.1) ** 2)
+
+
+def lora_problem(mesh, base_spec):
+    rng = np.random.default_rng(0)
+    base = {"w": rng.normal(size=(LORA_D, LORA_D)).astype(np.float32) / 8}
+    lora = {
+        "a": rng.normal(size=(LORA_D, LORA_R)).astype(np.float32) / 8,
+        "b": rng.normal(size=(LORA_R, LORA_D)).astype(np.float32) / 8,
+    }
+    base = jax.device_put(base, NamedSharding(mesh, base_spec))
+    lora = jax.device_put(lora, NamedSharding(mesh, P()))
+    x = jax.device_put(
+        rng.normal(size=(16, LORA_D)).astype(np.float32), NamedSharding(mesh, P("data"))
+    )
+    return lora, base, x
+
+
+def _runner(step, lora, base, x):
+    step(lora, x, KEY, frozen=base)
+    (runner,) = step._engine._plans.values()
+    return runner, frozen_lib.combine(lora, base)
+
+
+def test_a_replicated_frozen_base_is_read_from_the_callers_buffers():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    lora, base, x = lora_problem(mesh, P())
+    step = unsplit.value_and_grad(lora_loss, mesh=mesh, bitwise=True, chunk_size=2)
+    runner, both = _runner(step, lora, base, x)
+    assert sum(runner.plan.params_flat.lengths) == 2 * LORA_D * LORA_R  # the adapters alone
+    held = runner.held(both)
+    assert runner.held.gather == [False]
+    mine = {s.device: s.data.unsafe_buffer_pointer() for s in base["w"].addressable_shards}
+    for g, (w,) in held.items():  # each group's chunk program gets its device's own copy
+        (device,) = runner.plan.group_devices(g).flat
+        assert w.unsafe_buffer_pointer() == mine[device]
+    assert runner.held(both) is held  # the same arrays again: not looked up again
+
+
+def test_a_sharded_frozen_base_is_gathered_once_while_the_same_arrays_come_back():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    lora, base, x = lora_problem(mesh, P("data", None))
+    step = unsplit.value_and_grad(lora_loss, mesh=mesh, bitwise=True, chunk_size=2)
+    runner, both = _runner(step, lora, base, x)
+    assert sum(runner.plan.params_flat.lengths) == 2 * LORA_D * LORA_R
+    assert runner.held.gather == [True]
+    held = runner.held(both)
+    assert all(w.shape == (LORA_D, LORA_D) for (w,) in held.values())  # whole per group
+    assert runner.held(both) is held  # no second gather for the same frozen arrays
+    other = jax.tree.map(jnp.copy, both)
+    assert runner.held(other) is not held  # other arrays: gathered again
+    # The bits of a one-device step given the same values on the host.
+    reference = unsplit.value_and_grad(lora_loss, bitwise=True, chunk_size=2)
+    host = jax.device_get((lora, x, base))
+    got = step(lora, x, KEY, frozen=base)
+    assert unsplit.testing.bits_equal(got, reference(host[0], host[1], KEY, frozen=host[2]))

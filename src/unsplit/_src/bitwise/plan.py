@@ -13,7 +13,8 @@ For a params layout and a global batch size the plan fixes:
   compute like one device;
 * the **flat plans**: each device's local blocks of the params (params sharded
   over outer batch axes gathered; sharded over group axes kept) and of the
-  partial sums, as flat vectors.
+  partial sums, as flat vectors; frozen inputs travel as themselves instead (the
+  caller's own buffers where they need no gather), never copied into the vectors.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class Plan:
     outer_axes: tuple[str, ...]  # the compute mesh's axes that index the groups
     compute: Mesh  # outer axes x group axes (unused axes at index 0)
     local_specs: tuple[P, ...]  # each leaf's spec inside its group (over group axes only)
-    params_flat: FlatPlan  # one device's local blocks of every array leaf
+    params_flat: FlatPlan  # one device's local blocks of every array leaf (some direct)
     sums_flat: FlatPlan  # one device's local blocks of (grad sums..., loss_sum, weight)
     chunk: int
     chunks: int  # in the global batch
@@ -142,6 +143,17 @@ class Plan:
     @property
     def outer_entry(self) -> Any:
         return partition.entry(self.outer_axes)
+
+    @property
+    def packed_specs(self) -> tuple[P, ...]:
+        """The specs of the leaves the pack program packs (no direct frozen leaf)."""
+        return tuple(self.params_flat.packed(self.specs))
+
+    @property
+    def packed_mask(self) -> tuple[bool, ...]:
+        """Per params leaf: an array the pack program packs (not a direct frozen one)."""
+        direct = iter(self.params_flat.direct)
+        return tuple(m and not next(direct) for m in self.structure.array_mask)
 
     def group_devices(self, g: int) -> np.ndarray:
         """Group ``g``'s devices, shaped like the group axes (g: row-major over the outer axes)."""
@@ -195,7 +207,9 @@ def make_plan(
         NamedSharding(compute, ls).shard_shape(np.shape(a)) if group_axes else np.shape(a)
         for a, ls in zip(arrays, local_specs, strict=True)
     ]
-    params_flat = FlatPlan.of(arrays, local_shapes)
+    # Frozen leaves travel as themselves (the caller's buffers, or gathered over the outer
+    # batch axes), never copied into the vectors: placement.Held.
+    params_flat = FlatPlan.of(arrays, local_shapes, direct=structure.frozen)
     sums_flat = _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key)
     chunks = size // chunk
     groups = math.prod(compute.shape[a] for a in outer_axes)

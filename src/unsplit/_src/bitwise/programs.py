@@ -54,17 +54,19 @@ def pack_program(plan: Plan):
         entries = [*spec, *[None] * (ndim - len(spec))]
         return tuple(tuple(n for n in partition.names(e) if n in batch_axes) for e in entries)
 
+    specs = plan.packed_specs  # direct (frozen) leaves are not packed
+
     def local(*blocks):
-        gathers = [gather_axes(s, x.ndim) for x, s in zip(blocks, plan.specs, strict=True)]
+        gathers = [gather_axes(s, x.ndim) for x, s in zip(blocks, specs, strict=True)]
         leaves = placement.gathered_blocks(list(blocks), gathers, dict(mesh.shape))
         return tuple(plan.params_flat.pack(leaves))
 
     every = P(tuple(mesh.axis_names))
     count = len(plan.params_flat.vectors)
     run = jax.shard_map(
-        local, mesh=mesh, in_specs=plan.specs, out_specs=(every,) * count, check_vma=False
+        local, mesh=mesh, in_specs=specs, out_specs=(every,) * count, check_vma=False
     )
-    return OnArrayLeaves(run, plan.structure.array_mask)
+    return OnArrayLeaves(run, plan.packed_mask)
 
 
 class OnArrayLeaves:
@@ -141,19 +143,16 @@ class GroupIO:
         return self.pack_sums(grads, loss_sum, weight), self.aux(aux)
 
     def unpack(self, vectors) -> list:
-        """The params' array leaves (each device its local blocks) from the flat vectors."""
-        plan = self.plan
+        """The params' array leaves (each device its local blocks) from the flat vectors and
+        the direct (frozen) leaves after them, placed as the group computes with them."""
+        flat = self.plan.params_flat
         if self.gmesh is None:
-            return plan.params_flat.unpack(vectors)
-        return list(
-            jax.shard_map(
-                lambda *v: tuple(plan.params_flat.unpack(v)),
-                mesh=self.gmesh,
-                in_specs=(P(self.gentry),) * len(plan.params_flat.vectors),
-                out_specs=plan.local_specs,
-                check_vma=False,
-            )(*vectors)
-        )
+            return flat.unpack(vectors)
+        n = len(flat.vectors)
+        specs = tuple(flat.packed(self.plan.local_specs))
+        unpack = jax.shard_map(lambda *v: tuple(flat.unpacked(v)), mesh=self.gmesh,
+                               in_specs=(P(self.gentry),) * n, out_specs=specs, check_vma=False)  # fmt: skip
+        return flat.merged(unpack(*vectors[:n]), vectors[n:])
 
     def pack_sums(self, grads, loss_sum, weight) -> list:
         """``(grads..., loss_sum, weight)`` as the sums' flat vectors (each device its blocks)."""

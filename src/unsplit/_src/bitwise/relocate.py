@@ -106,6 +106,127 @@ class Relocated:
         return self.compiled.memory_analysis()
 
 
+class Replicas:
+    """``compiled`` (a one-device program) loaded as a program of one replica per device of
+    ``devices``: **one** launch runs it on every device, each on its own inputs, with the
+    same machine code, so each device gets the bits the one-device program gives there.
+
+    Called with each device's arguments (as ``compiled`` takes them), returns each device's
+    outputs. For a small program (an optimizer update) one launch costs a third of the host
+    time of one launch per device (:class:`Relocated`; 8 simulated CPU devices: 0.55 ms vs
+    1.8 ms). XLA's CPU runtime runs a many-replica launch before it returns, so a program
+    with real compute (a chunk program) gains nothing: the host waits for it.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> d0, d1 = jax.devices()[:2]
+        >>> one = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(d0))
+        >>> program = Replicas(jax.jit(lambda w: w * 2).lower(one).compile(), [d0, d1])
+        >>> a, b = program([(jax.device_put(jnp.ones(3), d0),), (jax.device_put(jnp.arange(3.0), d1),)])
+        >>> a.tolist(), b.tolist(), b.devices() == {d1}
+        ([2.0, 2.0, 2.0], [0.0, 2.0, 4.0], True)
+    """
+
+    def __init__(self, compiled: jax.stages.Compiled, devices: list, options: Any = None):
+        self.devices = list(devices)
+        compile_options = jax_backend.get_compile_options(
+            num_replicas=len(self.devices),
+            num_partitions=1,
+            device_assignment=np.array([[d.id] for d in self.devices]),
+            env_options_overrides=options,
+        )
+        runtime: Any = compiled.runtime_executable()  # always set on a compiled program
+        self.executable = self.devices[0].client.deserialize_executable(
+            runtime.serialize(), executable_devices=self.devices, compile_options=compile_options
+        )
+        # Each argument travels as one array whose device i holds device i's value.
+        self.sharding = jax.sharding.NamedSharding(
+            jax.sharding.Mesh(np.array(self.devices), ("_replicas",)), jax.P()
+        )
+        self.in_tree, self.out_tree = compiled.in_tree, compiled.out_tree
+
+    def __call__(self, per_device: list[tuple]) -> list[Any]:
+        flat = []
+        for args, device in zip(per_device, self.devices, strict=True):
+            leaves, tree = jax.tree.flatten((tuple(args), {}))
+            if tree != self.in_tree:
+                raise TypeError(f"expected arguments {self.in_tree}; got {tree}")
+            flat.append([_buffer(x, device) for x in leaves])
+        arrays = [
+            jax.make_array_from_single_device_arrays(pieces[0].shape, self.sharding, list(pieces))
+            for pieces in zip(*flat, strict=True)
+        ]
+        outs = self.executable.execute_sharded(arrays).disassemble_into_single_device_arrays()
+        return [
+            jax.tree.unflatten(self.out_tree, [out[i] for out in outs])
+            for i in range(len(self.devices))
+        ]
+
+
+class OnEveryDevice:
+    """A jitted function of pytrees run as :class:`Replicas` on every device of ``mesh`` this
+    process drives when every leaf is replicated on it (one compile per input signature, for
+    ``device``): each device computes on its own copy and keeps its result, so the outputs
+    are replicated with no gather onto one device and no copy back. The optimizer update of
+    replicated params (LoRA adapters).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> mesh = jax.make_mesh((2,), ("data",))
+        >>> w = jax.device_put(jnp.arange(3.0), jax.NamedSharding(mesh, jax.P()))
+        >>> double = OnEveryDevice(jax.jit(lambda w: (w * 2,)), mesh, jax.devices()[0])
+        >>> double.accepts((w,))
+        True
+        >>> (out,) = double((w,), like=(w,))
+        >>> out.tolist(), out.sharding == w.sharding
+        ([0.0, 2.0, 4.0], True)
+    """
+
+    def __init__(self, jitted: Any, mesh: jax.sharding.Mesh, device: Any):
+        self.jitted, self.mesh = jitted, mesh
+        self.device = jax.sharding.SingleDeviceSharding(device)
+        me = jax.process_index()
+        self.devices = [d for d in mesh.devices.flat if d.process_index == me]
+        self.whole = jax.sharding.NamedSharding(mesh, jax.P())
+        self._programs: dict[Any, tuple[Replicas, list]] = {}
+
+    def accepts(self, trees: Any) -> bool:
+        """Whether every leaf is an array (no key) replicated on the mesh of several devices."""
+        return self.mesh.size > 1 and all(map(self._replica, jax.tree.leaves(trees)))
+
+    def _replica(self, x: Any) -> bool:
+        sharding = getattr(x, "sharding", None)
+        return (
+            isinstance(sharding, jax.sharding.NamedSharding)
+            and sharding.mesh == self.mesh
+            and sharding.is_fully_replicated
+            and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+        )
+
+    def __call__(self, trees: tuple, like: Any = None) -> Any:
+        """``fn(*trees)``; its outputs get the shardings of ``like``'s leaves (the inputs
+        they replace), else ``P()`` on the mesh."""
+        leaves, treedef = jax.tree.flatten(trees)
+        signature = (treedef, tuple((x.shape, x.dtype) for x in leaves))
+        if signature not in self._programs:
+            one = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.device) for x in leaves]
+            compiled = self.jitted.lower(*jax.tree.unflatten(treedef, one)).compile()
+            shapes = [x.shape for x in jax.tree.leaves(compiled.out_info)]
+            self._programs[signature] = (Replicas(compiled, self.devices), shapes)
+        program, shapes = self._programs[signature]
+        copies = [{s.device: s.data for s in x.addressable_shards} for x in leaves]
+        per_device = [jax.tree.unflatten(treedef, [c[d] for c in copies]) for d in self.devices]
+        outs = [jax.tree.leaves(out) for out in program(per_device)]
+        shardings = [x.sharding for x in jax.tree.leaves(like)]
+        if len(shardings) != len(shapes):
+            shardings = [self.whole] * len(shapes)
+        arrays = [
+            jax.make_array_from_single_device_arrays(shape, sharding, [o[i] for o in outs])
+            for i, (shape, sharding) in enumerate(zip(shapes, shardings, strict=True))
+        ]
+        return jax.tree.unflatten(program.out_tree, arrays)
+
+
 def _buffer(x: Any, device: Any) -> jax.Array:
     """An argument as the executable takes it: an array on ``device``; a key as its data."""
     if not isinstance(x, jax.Array):

@@ -79,3 +79,29 @@ def test_tensor_parallel_groups_share_one_compile_and_keep_the_bits():
             assert isinstance(first, jax.stages.Compiled)
             assert all(isinstance(e, relocate.Relocated) and e.compiled is first for e in others)
     assert unsplit.testing.bits_equal(outs[0], outs[1])
+
+
+def test_one_launch_on_every_device_gives_the_bits_of_the_one_device_program():
+    mesh = jax.make_mesh((8,), ("data",))
+    replicated = jax.NamedSharding(mesh, jax.P())
+    w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)), replicated)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 64)), replicated)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one) for a in (w, x)]
+
+    def f(w, x):
+        return jnp.tanh(x @ w) / jnp.linalg.norm(w)
+
+    compiled = jax.jit(f).lower(*avals).compile()
+    devices = list(mesh.devices.flat)
+    program = relocate.Replicas(compiled, devices)
+    copies = [{s.device: s.data for s in a.addressable_shards} for a in (w, x)]
+    args = [(copies[0][d], copies[1][d]) for d in devices]
+    want = compiled(*jax.device_put((w, x), one))
+    for out, device in zip(program(args), devices, strict=True):  # one launch, 8 devices
+        assert out.devices() == {device} and unsplit.testing.bits_equal(out, want)
+    # Each device its own inputs: another x on device 3 gives what the program gives for it.
+    other = jax.device_put(jnp.asarray(jax.device_get(x)) * 2, devices[3])
+    args[3] = (copies[0][devices[3]], other)
+    want = compiled(*jax.device_put((w, other), one))
+    assert unsplit.testing.bits_equal(program(args)[3], want)

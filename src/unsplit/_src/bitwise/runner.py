@@ -67,6 +67,8 @@ class Runner:
                 lambda: jax.jit(lambda *slots: unpack(list(combine(*slots))), out_shardings=outs),
             )
         self._placers: dict[int, placement.Placer] = {}
+        # Frozen leaves each device holds as its group computes with them: not packed.
+        self.held = placement.Held(self._placer, self.local_groups, plan)
         self._default_words: dict | None = None
         self.total_sharding = NamedSharding(mesh, P(gentry))
         self.key_sharding = NamedSharding(plan.compute, P())
@@ -146,6 +148,7 @@ class Runner:
         plan = self.plan
         vectors = self.pack(params)
         by_device = [{s.device: s.data for s in v.addressable_shards} for v in vectors]
+        held = self.held(params)
         words = self._words(ids)
         keys = self._keys(key)
         leaves, tree = jax.tree.flatten(batch)
@@ -153,7 +156,7 @@ class Runner:
         inputs = {}
         for g in self.local_groups:
             place = self._placer(g)
-            group_vectors = [place.flat(v, by_device[i]) for i, v in enumerate(vectors)]
+            group_vectors = [place.flat(v, by_device[i]) for i, v in enumerate(vectors)] + held[g]
             group_batch = [place.rows(x, s) for x, s in zip(leaves, shards, strict=True)]
             group_rows = (jax.tree.unflatten(tree, group_batch), *words[g])
             if plan.per_group == 1:  # the group's rows are its one chunk (placed as a chunk's)

@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import keys as keys_lib
 from unsplit._src.bitwise import accelerators, schedule
 from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.bitwise.blocked import chunk as blocked_chunk
@@ -87,14 +88,19 @@ class BitwiseStep:
         chunk = default_chunk_size(batch)
         return math.lcm(chunk, self.chunk_split)
 
-    def __call__(self, params, batch, key, ids, *, memo: dict | None = None) -> sums.Result:
-        """Runs the step.
+    def __call__(
+        self, params, batch, key, ids, *, memo: dict | None = None, step=None
+    ) -> sums.Result:
+        """Runs the step (``step``: a step number, folded into the key first: one small
+        program, the same bits as the caller's ``fold_in``).
 
         ``memo``: a caller's own dict, kept while it passes the params this step
         last returned to it (a train step's own): the programs found for them
         are kept there, so their layout is not looked at again for a batch of the
         same shapes. The caller empties it when its params are new.
         """
+        if step is not None:
+            key = _step_key(key, step)
         signature = _batch_signature(batch, key)
         if memo and memo.get("signature") == signature:
             state = memo["state"]
@@ -182,6 +188,9 @@ class BitwiseStep:
         if self._twin is None:
             self._twin = BitwiseStep(self.spec, Layout(twin, self.layout.batch_axes), self.options)
         return paired.Paired(self._twin, mesh, self.single, plan.given, plan.structure.diff)
+
+
+_step_key = jax.jit(keys_lib.step_key)
 
 
 def _batch_signature(batch: Any, key: Any) -> tuple:

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
+from unsplit._src.bitwise import relocate
 from unsplit._src.bitwise.fsdp import fixed_order_update, group_reduce
 
 
@@ -64,11 +65,14 @@ class CanonicalUpdate:
         self.fn = jax.jit(fn)
         self.gather = jax.jit(lambda tree: tree, out_shardings=self.replicated)
         self._reshard: dict[Any, _Slicer] = {}
+        self.everywhere = relocate.OnEveryDevice(self.fn, mesh, self.device)
 
     def __call__(self, *trees: Any) -> tuple:
         # A Python number (TrainState.create's step=0) as a NumPy scalar: not weakly typed,
         # so the update sees the same types on the first call as on the next ones.
         trees = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, int | float) else x, trees)
+        if self.everywhere.accepts(trees):  # every leaf whole on every device: no gather
+            return self.everywhere(trees, like=trees[: self.outputs])
         targets = jax.tree.map(self._target, trees[: self.outputs])
         out = self.fn(*self._gathered(trees))
         return self._scatter(out, targets)

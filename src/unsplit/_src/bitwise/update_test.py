@@ -119,3 +119,26 @@ def test_a_grouped_update_keeps_every_leaf_in_shards():
         new_v.sharding == v.sharding
         and new_v.tolist() == (2 * np.arange(8.0)).reshape(2, 4).tolist()
     )
+
+
+def test_a_replicated_update_runs_on_every_device_with_the_bits_of_one():
+    # LoRA adapters: every leaf whole on every device. No gather onto one device and no copy
+    # back: each device runs the one-device program on its own copy, in one launch.
+    mesh = jax.make_mesh((8,), ("data",))
+    replicated = NamedSharding(mesh, P())
+    w, m, g = (
+        jax.device_put(jax.random.normal(jax.random.key(i), (32, 4)), replicated) for i in range(3)
+    )
+
+    def adam_like(w, m, g):
+        m = 0.9 * m + 0.1 * g
+        return w - 0.01 * m / (jnp.linalg.norm(m) + 1e-8), m
+
+    update = CanonicalUpdate(adam_like, mesh, outputs=2)
+    new_w, new_m = update(w, m, g)
+    assert update.everywhere._programs  # the one-launch path
+    assert new_w.sharding == w.sharding and new_m.sharding == m.sharding
+    want = jax.jit(adam_like)(*(a.addressable_data(0) for a in (w, m, g)))  # on one device
+    for got, expected in zip((new_w, new_m), want, strict=True):
+        for shard in got.addressable_shards:
+            assert np.asarray(shard.data).tobytes() == np.asarray(expected).tobytes()

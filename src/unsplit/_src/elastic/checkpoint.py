@@ -30,6 +30,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from unsplit._src.processes.items import tree_items
+
 _FORMAT = "unsplit-run/1"
 
 
@@ -101,7 +103,14 @@ class Checkpointer:
         """The steps of every complete checkpoint, oldest first."""
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, *, info: Mapping[str, Any] | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        info: Mapping[str, Any] | None = None,
+        frozen: Any = None,
+    ) -> None:
         """Saves ``state`` as the checkpoint after global step ``step``.
 
         Args:
@@ -111,6 +120,11 @@ class Checkpointer:
                 in any way over any mesh.
             info: optional JSON values saved alongside for people (e.g. the
                 topology that wrote it); never checked.
+            frozen: the step's frozen inputs (``frozen=``, a LoRA base model): not
+                saved (they are loaded as the run started), but their structure,
+                shapes, dtypes and a 64-bit fingerprint of each leaf's values are,
+                and :meth:`restore` with ``frozen=`` checks them: a resumed run on
+                another base would silently train something else.
         """
         meta = {
             "format": _FORMAT,
@@ -119,6 +133,8 @@ class Checkpointer:
             "settings": self.settings,
             "info": dict(info or {}),
         }
+        if frozen is not None:
+            meta["frozen"] = _frozen_record(frozen)
         self._manager.save(
             int(step),
             args=ocp.args.Composite(
@@ -132,7 +148,7 @@ class Checkpointer:
         out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out["meta"])
 
-    def restore(self, like: Any, step: int | None = None) -> tuple[int, Any]:
+    def restore(self, like: Any, step: int | None = None, *, frozen: Any = None) -> tuple[int, Any]:
         """Restores the state saved after ``step`` (default: the newest) onto ``like``'s layout.
 
         Args:
@@ -141,6 +157,8 @@ class Checkpointer:
                 ``sharding``, laid out as this run wants them (its mesh, its
                 processes); e.g. the freshly initialized state.
             step: which checkpoint; default the newest complete one.
+            frozen: this run's frozen inputs, checked against those the checkpoint
+                was saved with (``save(..., frozen=...)``; their shardings may differ).
 
         Returns:
             ``(step, state)``: the checkpoint's step (the next global step to
@@ -148,11 +166,13 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: no complete checkpoint in the directory.
-            SettingsMismatch: the checkpoint was saved with other settings.
+            SettingsMismatch: the checkpoint was saved with other settings, or with
+                other frozen inputs (or with frozen inputs, and none were given).
         """
         step = self._step(step)
         meta = self.metadata(step)
         self._check_settings(step, meta.get("settings", {}))
+        _check_frozen(self.directory, step, meta.get("frozen"), frozen)
         target = jax.tree.map(_abstract, like)
         out = self._manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
@@ -200,6 +220,53 @@ class Checkpointer:
             f"step gets, so a resumed run must keep them. Fix: resume with "
             f"{keep or 'the saved settings'}, or start a new run in an empty directory."
         )
+
+
+def _check_frozen(directory: str, step: int, saved: Any, frozen: Any) -> None:
+    """Refuses a resume with other frozen inputs than the checkpoint was saved with."""
+    if saved is None:  # saved without frozen=: nothing to compare
+        return
+    if frozen is None:
+        raise SettingsMismatch(
+            f"the checkpoint of step {step} in {directory} was saved with frozen "
+            "inputs (save(..., frozen=...)), and restore got none: expected the run's "
+            "frozen inputs, got frozen=None. Fix: restore(like, frozen=frozen), with the "
+            "frozen inputs (e.g. the base model) the run trains with."
+        )
+    mine = _frozen_record(frozen)
+    changed = [
+        f"{name} of {path}: saved {saved[name].get(path, '<absent>')}, this run "
+        f"{mine[name].get(path, '<absent>')}"
+        for name in ("frozen shapes and dtypes", "frozen values")
+        for path in sorted(set(saved[name]) | set(mine[name]))
+        if saved[name].get(path) != mine[name].get(path)
+        and not _unread(saved[name].get(path), mine[name].get(path))
+    ]
+    if saved["frozen structure"] != mine["frozen structure"]:
+        changed.insert(0, f"frozen structure: saved {saved['frozen structure']}, this run "
+                          f"{mine['frozen structure']}")  # fmt: skip
+    if changed:
+        raise SettingsMismatch(
+            f"cannot resume from the checkpoint of step {step} in {directory}: the "
+            f"frozen inputs changed. {'; '.join(changed[:5])}"
+            f"{f' (and {len(changed) - 5} more)' if len(changed) > 5 else ''}. The frozen "
+            "inputs fix what every step computes, so a resumed run must keep them. Fix: "
+            "load the frozen inputs the run was saved with (the same base checkpoint), or "
+            "start a new run in an empty directory."
+        )
+
+
+def _unread(*values: Any) -> bool:
+    """A leaf split over several processes has no host fingerprint (each holds a part)."""
+    return any(isinstance(v, str) and v.startswith("sharded over processes") for v in values)
+
+
+def _frozen_record(frozen: Any) -> dict[str, Any]:
+    """What a checkpoint keeps of the frozen inputs: structure, shapes and dtypes, and a
+    fingerprint per leaf (of its global value: the same for any sharding)."""
+    items = tree_items("frozen", frozen)
+    names = ("frozen structure", "frozen shapes and dtypes", "frozen values")
+    return json.loads(json.dumps({n: items[n] for n in names}))
 
 
 def run_settings(fixed: Mapping[str, Any], *, bitwise: bool) -> dict[str, Any]:

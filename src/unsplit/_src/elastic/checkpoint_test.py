@@ -111,3 +111,35 @@ def test_errors(tmp_path):
     with pytest.raises(TypeError, match=r"settings must be a mapping.*got list"):
         unsplit.checkpoint.Checkpointer(tmp_path, settings=[("seed", 0)])
     assert sorted(os.listdir(tmp_path)) == ["1"]
+
+
+def test_frozen_inputs_are_checked_on_resume_on_any_layout(tmp_path):
+    # The frozen base is not saved (the run loads it as it starts); what it is, is.
+    base = {"w": jnp.arange(32.0).reshape(8, 4), "b": jnp.ones((4,))}
+    state = state_on(mesh_of(1))
+    with unsplit.checkpoint.Checkpointer(tmp_path, settings=SETTINGS) as ckpt:
+        ckpt.save(5, state, frozen=jax.device_put(base, NamedSharding(mesh_of(1), P())))
+    resharded = {
+        "w": jax.device_put(base["w"], NamedSharding(mesh_of(4), P("data"))),
+        "b": base["b"],
+    }
+    with unsplit.checkpoint.Checkpointer(tmp_path, settings=SETTINGS) as ckpt:
+        assert ckpt.restore(like=state, frozen=resharded)[0] == 5  # the same values: resumes
+        other = {**base, "b": base["b"].at[2].set(1.5)}
+        with pytest.raises(
+            unsplit.checkpoint.SettingsMismatch,
+            match=r"the frozen inputs changed\. frozen values of \['b'\]: saved [0-9a-f]{16}, "
+            r"this run [0-9a-f]{16}\. .*Fix: load the frozen inputs the run was saved with",
+        ):
+            ckpt.restore(like=state, frozen=other)
+        with pytest.raises(
+            unsplit.checkpoint.SettingsMismatch,
+            match=r"frozen shapes and dtypes of \['w'\]: saved float32\[8, 4\], this run "
+            r"float32\[4, 8\]",
+        ):
+            ckpt.restore(like=state, frozen={**base, "w": base["w"].T})
+        with pytest.raises(
+            unsplit.checkpoint.SettingsMismatch,
+            match=r"saved with frozen inputs .*got frozen=None\. Fix: restore\(like, frozen=frozen\)",
+        ):
+            ckpt.restore(like=state)

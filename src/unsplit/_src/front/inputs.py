@@ -32,13 +32,22 @@ class Inputs:
         self._frozen_checked: set[bool] = set()
 
     def check(
-        self, params: Any, batch: Any, key: jax.Array, ids: Any, frozen: Any, *, audit=True
+        self,
+        params: Any,
+        batch: Any,
+        key: jax.Array,
+        ids: Any,
+        frozen: Any,
+        *,
+        audit=True,
+        step: Any = None,
     ) -> Any:
-        """Checks a call's inputs; returns the ids as the step's engine takes them."""
+        """Checks a call's inputs (``step``: the step number, checked by the caller); returns
+        the ids as the step's engine takes them."""
         self._frozen(frozen)
         if self.step.bitwise:
-            validate.refuse_bitwise_in_jit(params, batch, key, ids, frozen)
-        ids = self._agreed_ids(params, batch, key, ids, frozen)
+            validate.refuse_bitwise_in_jit(params, batch, key, ids, frozen, step)
+        ids = self._agreed_ids(params, batch, key, ids, frozen, step)
         if audit:
             self._audit(params, batch, key, frozen)
         return ids
@@ -58,7 +67,7 @@ class Inputs:
         self._frozen_checked.add(given)
 
     def _agreed_ids(
-        self, params: Any, batch: Any, key: jax.Array, ids: Any, frozen: Any = None
+        self, params: Any, batch: Any, key: jax.Array, ids: Any, frozen: Any = None, step=None
     ) -> Any:
         """Validates the inputs; on a multi-process first call, also agrees on them.
 
@@ -69,13 +78,15 @@ class Inputs:
         jit that comparison happens on device instead (see
         :mod:`unsplit._src.step.default`). Returns the ids as the engine takes them.
         """
-        if self._agreed or not agreement.needed() or validate.is_traced(params, batch, key, ids):
+        traced = validate.is_traced(params, batch, key, ids, step)
+        if self._agreed or not agreement.needed() or traced:
             return self._validated(batch, key, ids)
         what = f"the first call of {self.step!r}"
         with agreement.agreeing(what, fixes=agreement.STEP_FIXES) as items:
             ids = self._validated(batch, key, ids)
+            settings = self.step.settings()
             items.update(
-                agreement.step_items(self.step.settings(), params, batch, key, ids, frozen=frozen)
+                agreement.step_items(settings, params, batch, key, ids, frozen=frozen, step=step)
             )
         self._agreed = True
         return ids

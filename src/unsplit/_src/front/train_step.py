@@ -21,9 +21,11 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import jax
+import jax.core  # jax.core.Tracer: imported, so type checkers see the module
 import numpy as np
 import optax
 
+from unsplit._src import keys as keys_lib
 from unsplit._src.bitwise.step import BitwiseStep
 from unsplit._src.bitwise.update import CanonicalUpdate, GroupedUpdate
 from unsplit._src.front.array_jit import ArrayJit, with_static, without_static
@@ -62,7 +64,12 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         passed in stay valid until you drop them. Both forms take
         ``frozen=`` (keyword): frozen inputs passed to the step
         (``loss_fn(params, example, key, frozen)``); the optimizer sees the
-        params only, and ``frozen`` is never donated.
+        params only, and ``frozen`` is never donated. Both take ``step=``
+        (keyword): the step number (an int, or ``state.step``), folded into
+        ``key`` inside the compiled program, the bits of passing
+        ``jax.random.fold_in(key, step)`` without a host dispatch per step:
+        the recommended loop is ``train(params, opt_state, batch, key, step=i)``
+        with one ``key`` for the run (placed on the mesh once).
 
         Default mode is one ``jax.jit``: params and optimizer state that are not on
         the step's mesh yet (fresh ``jnp`` arrays) come back placed on it, so the
@@ -80,7 +87,9 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         >>> train = unsplit.train_step(step, optimizer)
         >>> w = jnp.ones((3, 2))
         >>> state = optimizer.init(w)
-        >>> loss, w, state = train(w, state, jnp.ones((8, 3)), jax.random.key(0))
+        >>> key = jax.random.key(0)
+        >>> for i in range(2):  # the step key is fold_in(key, i), made inside the program
+        ...     loss, w, state = train(w, state, jnp.ones((8, 3)), key, step=i)
         >>> w.shape
         (3, 2)
 
@@ -125,14 +134,15 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
     if not step.bitwise:
+        value_and_grad = step  # the keyword ``step`` below is the step number
 
-        def fused(params, opt_state, batch, key, ids=None, frozen=None):
-            out, grads = step(params, batch, key, ids, frozen=frozen)
+        def fused(params, opt_state, batch, key, ids=None, frozen=None, step=None):
+            out, grads = value_and_grad(params, batch, key, ids, frozen=frozen, step=step)
             params, opt_state = update(params, opt_state, grads)
             return out, params, opt_state
 
-        def fused_state(state, batch, key, ids=None, frozen=None):
-            out, grads = step(state.params, batch, key, ids, frozen=frozen)
+        def fused_state(state, batch, key, ids=None, frozen=None, step=None):
+            out, grads = value_and_grad(state.params, batch, key, ids, frozen=frozen, step=step)
             return out, update_state(state, grads)
 
         # The whole train step is one program: refuse it, before it runs, when it needs
@@ -145,6 +155,7 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
             optimizer,
             ArrayJit(fused, donate_argnums=(0, 1), check=check),
             ArrayJit(fused_state, donate_argnums=(0,), check=check),
+            placed_key=_PlacedKey(step.mesh),
         )
 
     # Bitwise: the update too is one program whatever the schedule: on whole arrays, or, with
@@ -205,17 +216,25 @@ def is_train_state(x: Any) -> bool:
 class _Train:
     """``train(params, opt_state, batch, key, ids=None)`` or ``train(state, batch, key, ids=None)``."""
 
-    def __init__(self, step: Step, optimizer, with_trees: Callable, with_state: Callable):
+    def __init__(
+        self, step: Step, optimizer, with_trees: Callable, with_state: Callable, placed_key=None
+    ):
         self.step = step
         self.optimizer = optimizer
         self.with_trees = with_trees
         self.with_state = with_state
+        self.placed_key = placed_key  # default mode: the step key on the mesh (_PlacedKey)
 
     def __call__(self, *args, **kwargs):
         with memory.hint(self.step):  # the first call's compiles and transfers too
             return self._call(*args, **kwargs)
 
     def _call(self, *args, **kwargs):
+        if kwargs.get("step") is not None:  # one type for every step number: no retrace
+            kwargs["step"] = keys_lib.step_number(kwargs["step"])
+        position = 2 if args and is_train_state(args[0]) else 3
+        if self.placed_key is not None and len(args) > position:
+            args = (*args[:position], self.placed_key(args[position]), *args[position + 1 :])
         if args and is_train_state(args[0]):
             state = args[0]
             if self.optimizer is not None and state.tx is not self.optimizer:
@@ -223,10 +242,10 @@ class _Train:
                     "train_step was given an optimizer and the TrainState has another tx. "
                     "Fix: pass one of them: unsplit.train_step(step) uses state.tx."
                 )
-            if len(args) + len(kwargs) - ("frozen" in kwargs) not in (3, 4):
+            if len(args) + len(kwargs) - ("frozen" in kwargs) - ("step" in kwargs) not in (3, 4):
                 raise TypeError(
-                    "with a TrainState, call train(state, batch, key, ids=None) (and frozen=...); got "
-                    f"{len(args)} positional and {len(kwargs)} keyword arguments."
+                    "with a TrainState, call train(state, batch, key, ids=None) (and frozen=..., "
+                    f"step=...); got {len(args)} positional and {len(kwargs)} keyword arguments."
                 )
             return self.with_state(*args, **kwargs)
         if self.optimizer is None:
@@ -249,12 +268,12 @@ class _BitwiseTrain:
         self._memo: dict = {}  # the step's programs and placed frozen (BitwiseStep.__call__)
         self._frozen: Any = None  # the frozen given last
 
-    def grads(self, params, batch, key, ids, frozen=None):
+    def grads(self, params, batch, key, ids, frozen=None, step=None):
         """The step's (out, grads, params); params (and frozen) re-placed only when new."""
         if params is not self._returned or frozen is not self._frozen:
             self._memo.clear()  # new params or frozen: the step looks at their layout again
         self._frozen = frozen
-        result = self.step._run(params, batch, key, ids, frozen=frozen, memo=self._memo)
+        result = self.step._run(params, batch, key, ids, frozen=frozen, step=step, memo=self._memo)
         out = (result.loss, result.aux) if self.step.has_aux else result.loss
         return out, result.grads, result.params
 
@@ -281,25 +300,60 @@ class _BitwiseTrain:
 
         return jax.tree.map(place, tree)
 
-    def __call__(self, update, params, opt_state, batch, key, ids: Any = None, *, frozen=None):
+    def __call__(
+        self, update, params, opt_state, batch, key, ids: Any = None, *, frozen=None, step=None
+    ):
         if params is not self._returned:
             params, opt_state = self.on_step_mesh((params, opt_state))
-        out, grads, params = self.grads(params, batch, key, ids, frozen)
+        out, grads, params = self.grads(params, batch, key, ids, frozen, step)
         # The update needs no non-array leaf (an Equinox module's activation): it gets None.
         new, opt_state = update(without_static(params), opt_state, grads)
         params = with_static(new, params)
         self._returned = params
         return out, params, opt_state
 
-    def with_state(self, update_state, state, batch, key, ids: Any = None, *, frozen=None):
+    def with_state(
+        self, update_state, state, batch, key, ids: Any = None, *, frozen=None, step=None
+    ):
         if state.params is not self._returned:
             state = self.on_step_mesh(state)
-        out, grads, params = self.grads(state.params, batch, key, ids, frozen)
+        out, grads, params = self.grads(state.params, batch, key, ids, frozen, step)
         if params is not state.params:
             state = state.replace(params=params)
         (state,) = update_state(state, grads)
         self._returned = state.params
         return out, state
+
+
+class _PlacedKey:
+    """The step key on the step's mesh, placed once while the same key object comes back.
+
+    The recommended loop passes one key and the step number (``train(..., key, step=i)``);
+    a key made by ``jax.random.key`` lives on one device, and ``jax.jit`` would copy it
+    to every device of the mesh on every call. One process only (elsewhere the key goes
+    to ``jax.jit`` as given).
+    """
+
+    def __init__(self, mesh: jax.sharding.Mesh | None):
+        many = mesh is not None and mesh.size > 1
+        self.sharding = None
+        if mesh is not None and many:
+            self.sharding = jax.sharding.NamedSharding(mesh, jax.P())
+        self._given: Any = None
+        self._placed: Any = None
+
+    def __call__(self, key: Any) -> Any:
+        if (
+            self.sharding is None
+            or not isinstance(key, jax.Array)
+            or isinstance(key, jax.core.Tracer)
+            or jax.process_count() > 1
+            or key.sharding == self.sharding
+        ):
+            return key
+        if key is not self._given:
+            self._given, self._placed = key, jax.device_put(key, self.sharding)
+        return self._placed
 
 
 #: The name this function had first; the same function (both modes).

@@ -388,3 +388,76 @@ def test_an_nnx_module_trains_with_its_optimizer_state_on_trainable(bitwise):
     assert not np.array_equal(np.asarray(model.linear.kernel[...]), kernel)
     counts = [x for x in jax.tree.leaves(model) if jnp.issubdtype(x.dtype, jnp.integer)]
     assert counts  # the Rngs counts came back, untouched by the update
+
+
+# -- step=: the step number folded into the key inside the programs (issue 40, item 6) -----
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_step_number_gives_the_bits_of_a_host_fold_in(bitwise):
+    mesh = jax.make_mesh((4,), ("data",))
+    chunk = {"chunk_size": 4} if bitwise else {}
+    step = unsplit.value_and_grad(loss_fn, mesh=mesh, bitwise=bitwise, **chunk)
+    params = init()
+    for i in (0, 3, 2**32 - 1):
+        want = step(params, X, jax.random.fold_in(KEY, i))
+        assert unsplit.testing.bits_equal(step(params, X, KEY, step=i), want)
+    assert unsplit.testing.bits_equal(
+        step(params, X, KEY, step=jnp.int32(3)), step(params, X, jax.random.fold_in(KEY, 3))
+    )
+    optimizer = optax.adam(1e-2)
+    train = unsplit.train_step(step, optimizer)
+    a, b = ((init(), optimizer.init(init())) for _ in range(2))  # donated: one each
+    for i in range(3):
+        loss_a, *a = train(*a, X, jax.random.fold_in(KEY, i))
+        loss_b, *b = train(*b, X, KEY, step=i)
+        assert unsplit.testing.bits_equal((loss_a, a), (loss_b, b))
+    by_state = unsplit.train_step(step)
+    state = train_state.TrainState.create(apply_fn=None, params=init(), tx=optimizer)
+    _, with_number = by_state(state, X, KEY, step=state.step)  # the state's own count
+    state = train_state.TrainState.create(apply_fn=None, params=init(), tx=optimizer)
+    _, with_fold = by_state(state, X, jax.random.fold_in(KEY, 0))
+    assert unsplit.testing.bits_equal(with_number.params, with_fold.params)
+
+
+def test_a_new_step_number_is_no_new_program():
+    traces = []
+
+    def counting_loss(w, x, key):
+        traces.append(1)  # runs only while tracing
+        return loss_fn(w, x, key)
+
+    step = unsplit.value_and_grad(counting_loss, mesh=jax.make_mesh((4,), ("data",)))
+    optimizer = optax.sgd(0.1)
+    train = unsplit.train_step(step, optimizer)
+    params, opt_state = init(), optimizer.init(init())
+    for i in range(2):  # the first call compiles; the second may place params on the mesh
+        _, params, opt_state = train(params, opt_state, X, KEY, step=i)
+    step(params, X, KEY, step=0)
+    traced = len(traces)
+    for i in range(2, 5):
+        _, params, opt_state = train(params, opt_state, X, KEY, step=i)
+        step(params, X, KEY, step=i)
+    assert len(traces) == traced
+
+
+def test_a_negative_step_number_is_refused_by_the_train_function_too():
+    train = unsplit.train_step(unsplit.value_and_grad(loss_fn), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"step must be a step number in \[0, 2\*\*32\)"):
+        train(init(), optax.sgd(0.1).init(init()), X, KEY, step=-3)
+
+
+def test_the_recommended_loops_one_key_is_placed_on_the_mesh_once():
+    mesh = jax.make_mesh((4,), ("data",))
+    optimizer = optax.sgd(0.1)
+    train = unsplit.train_step(unsplit.value_and_grad(loss_fn, mesh=mesh), optimizer)
+    key = jax.random.key(3)  # on one device, as jax.random.key makes it
+    params, opt_state = init(), optimizer.init(init())
+    _, params, opt_state = train(params, opt_state, X, key, step=0)
+    placed = train.placed_key._placed
+    assert placed.sharding == jax.NamedSharding(mesh, jax.P())
+    _, params, opt_state = train(params, opt_state, X, key, step=1)
+    assert train.placed_key._placed is placed  # not copied to the devices again
+    other = jax.random.key(4)
+    train(params, opt_state, X, other, step=2)
+    assert train.placed_key._given is other

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from unsplit._src import frozen as frozen_lib
+from unsplit._src import keys as keys_lib
 from unsplit._src.front.inputs import Inputs
 from unsplit._src.front.options import Bitwise, Options
 from unsplit._src.step import groups, memory, sums, validate
@@ -135,6 +136,11 @@ def value_and_grad(
         ``batch_loss`` take it last too); ``frozen`` is never differentiated,
         keeps its shardings and is an argument of the compiled programs, never
         a constant (https://unsplit.readthedocs.io/en/latest/models/#frozen-inputs).
+        ``step(params, batch, key, step=i)`` (keyword) folds the step number into
+        the key inside the compiled program: the same as passing
+        ``jax.random.fold_in(key, i)``, bit for bit, without a host dispatch per
+        step (``i``: a Python int in ``[0, 2**32)`` or an integer array of shape
+        ``()`` such as ``state.step``).
 
     Example:
         >>> import jax, jax.numpy as jnp, unsplit
@@ -249,10 +255,17 @@ class Step:
         }
 
     def __call__(
-        self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, frozen: Any = None
+        self,
+        params: Any,
+        batch: Any,
+        key: jax.Array,
+        ids: Any = None,
+        *,
+        frozen: Any = None,
+        step: Any = None,
     ) -> tuple[Any, Any]:
         with memory.hint(self):  # also the first call's transfers and compiles
-            result = self._run(params, batch, key, ids, frozen=frozen)
+            result = self._run(params, batch, key, ids, frozen=frozen, step=step)
         if self.has_aux:
             return (result.loss, result.aux), result.grads
         return result.loss, result.grads
@@ -265,20 +278,23 @@ class Step:
         ids: Any = None,
         *,
         frozen: Any = None,
+        step: Any = None,
         memo: dict | None = None,
     ) -> Result:
         """One call, both modes: group, check (agree, audit), run the engine, check the result.
 
-        ``frozen`` travels with the params (placed and packed like them, never
-        differentiated); ``result.grads`` and ``result.params`` are the params' alone.
-        ``memo``: the train step's dict, kept while it passes back the params it
-        returned and the same frozen, so the engine need not look at their layout again.
+        ``frozen`` travels with the params (placed like them, never differentiated);
+        ``result.grads`` and ``result.params`` are the params' alone. ``step``: the step
+        number, folded into ``key`` inside the engine's programs. ``memo``: the train
+        step's dict, kept while it passes back the params it returned and the same
+        frozen, so the engine need not look at their layout again.
         """
         batch, ids = self._group(batch, ids)
-        ids = self._inputs.check(params, batch, key, ids, frozen)
+        step = keys_lib.step_number(step)
+        ids = self._inputs.check(params, batch, key, ids, frozen, step=step)
         placed = memo.get("frozen") if memo else None
         both = frozen_lib.combine(params, frozen if placed is None else placed)
-        result = self._engine(both, batch, key, ids, memo=memo)
+        result = self._engine(both, batch, key, ids, memo=memo, step=step)
         if memo is not None:
             memo["frozen"] = frozen_lib.frozen_of(result.params)
         if self.checked:
@@ -296,21 +312,30 @@ class Step:
         return groups.group_rows(batch, ids, self.group_size, shares=shares)
 
     def lower(
-        self, params: Any, batch: Any, key: jax.Array, ids: Any = None, *, frozen: Any = None
+        self,
+        params: Any,
+        batch: Any,
+        key: jax.Array,
+        ids: Any = None,
+        *,
+        frozen: Any = None,
+        step: Any = None,
     ):
-        """The compiled program a call with these inputs runs, lowered (default mode).
+        """The compiled program a call with these inputs runs, lowered; it takes the step's
+        arguments, ``frozen=`` included.
 
         Like ``jax.jit(f).lower(...)``: ``step.lower(...).compile()`` gives its
-        ``memory_analysis()`` and ``cost_analysis()``.
+        ``memory_analysis()``, ``cost_analysis()`` and ``as_text()``. Bitwise mode
+        runs several programs per step (a chunk program per chunk, the fixed-order
+        reduction): ``lower`` returns them as one object with the same methods, its
+        memory per device the step's peak over all of them
+        (``unsplit.testing.bitwise_cost`` has the breakdown). Nothing runs.
         """
         if not isinstance(self._engine, DefaultStep):
-            raise NotImplementedError(
-                "bitwise mode runs several programs per step (one per device group and the "
-                "fixed-order reduction); lower() describes default mode's single program. "
-                "Fix: unsplit.testing.bitwise_cost(step, params, batch, key) reads a bitwise "
-                "step's per-device memory and bytes sent from all its programs; or call "
-                "lower() on a bitwise=False step to inspect its program."
-            )
+            from unsplit._src.bitwise import cost
+
+            return cost.BitwiseLowered(self, (params, batch, key, ids), frozen)
         batch, ids = self._group(batch, ids)
-        ids = self._inputs.check(params, batch, key, ids, frozen, audit=False)
-        return self._engine.lower(frozen_lib.combine(params, frozen), batch, key, ids)
+        step = keys_lib.step_number(step)
+        ids = self._inputs.check(params, batch, key, ids, frozen, audit=False, step=step)
+        return self._engine.lower(frozen_lib.combine(params, frozen), batch, key, ids, step=step)

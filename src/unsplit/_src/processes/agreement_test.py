@@ -297,7 +297,9 @@ def test_processes_that_disagree_on_the_key_get_a_clear_error():
 @pytest.mark.multiprocess
 def test_processes_that_disagree_inside_their_own_jit_get_an_error_too():
     # The key is traced there: the step compares key, params and settings on device.
-    with pytest.raises(launch.LaunchError, match=r"disagree on the step key, the params or"):
+    with pytest.raises(
+        launch.LaunchError, match=r"disagree on the step key, the params, the frozen inputs or"
+    ):
         launch.run_local_processes(
             "unsplit._src.processes.global_batch_test:worker_step",
             kwargs={"microbatches": 2, "bitwise": False, "skew_key": True, "in_jit": True},

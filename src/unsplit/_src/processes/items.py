@@ -147,6 +147,8 @@ STEP_FIXES = {
     "mesh": "pass the same mesh on every process, e.g. jax.make_mesh((jax.device_count(),), "
     "('data',)) everywhere",
     "step key": KEY_FIX,
+    "step number": "pass the same step number on every process (the loop's counter, or the "
+    "restored state.step)",
     "process settings": "run every process with the same JAX and jaxlib, backend, accelerator "
     "model, XLA_FLAGS and collectives (jax_cpu_collectives_implementation on CPU; NCCL_ALGO, "
     "NCCL_PROTO and the NCCL channels on GPU) "
@@ -168,15 +170,18 @@ STEP_FIXES = {
 
 
 def step_items(
-    settings: Mapping[str, Any], params, batch, key, ids=None, *, frozen=None
+    settings: Mapping[str, Any], params, batch, key, ids=None, *, frozen=None, step=None
 ) -> dict[str, Any]:
-    """What a step's first call agrees on: ``settings``, the key, params, batch and ids.
+    """What a step's first call agrees on: ``settings``, the key (and step number), params,
+    frozen inputs, batch and ids.
 
     ``settings`` holds the step's options by name (``bitwise``, ``microbatches``,
     ``chunk_size``, ``weighted``, ``batch_axes``, ``mesh``); use with
     ``fixes=STEP_FIXES``.
     """
     items = {**settings, "step key": key, **tree_items("params", params)}
+    if step is not None:  # folded into the key inside the step: the same on every process
+        items["step number"] = step
     if frozen is not None:  # frozen inputs: the same structure, shardings and values as params
         items.update(tree_items("frozen", frozen))
     # What the bits depend on besides the inputs (versions, backend, XLA flags): every mode,

@@ -83,6 +83,7 @@ class Params:
     diff: tuple[bool, ...]  # per array leaf
     static: tuple[Any, ...]
     paths: tuple[str, ...]  # per array leaf, for messages
+    frozen: tuple[bool, ...] = ()  # per array leaf: a frozen input's (``frozen=``)
 
     @staticmethod
     def split(params: Any) -> tuple[Params, list[Any]]:
@@ -98,7 +99,8 @@ class Params:
         trained = frozen_lib.frozen_leaf_count(params)
         trained = len(arrays) if trained is None else sum(mask[:trained])
         diff = tuple(is_inexact_array(x) and i < trained for i, x in enumerate(arrays))
-        return Params(treedef, mask, diff, static, paths), arrays
+        frozen = tuple(i >= trained for i in range(len(arrays)))
+        return Params(treedef, mask, diff, static, paths, frozen), arrays
 
     def merge(self, arrays: list[Any]) -> Any:
         """The params pytree from its array leaves (and the stored static leaves)."""
