@@ -29,6 +29,10 @@ from unsplit._src.bitwise.chunk_size import chunk_size_for as chunk_size_for
 from unsplit._src.bitwise.update import canonical_sum as canonical_sum
 from unsplit._src.dropout.functional import dropout as dropout
 from unsplit._src.front.options import Bitwise as Bitwise
+from unsplit._src.front.replay import ReplayReport as ReplayReport
+from unsplit._src.front.replay import StepRecord as StepRecord
+from unsplit._src.front.replay import record_step as record_step
+from unsplit._src.front.replay import replay_step as replay_step
 from unsplit._src.front.train_step import bitwise_train_step as bitwise_train_step
 from unsplit._src.front.train_step import train_step as train_step
 from unsplit._src.front.train_step import trainable as trainable
@@ -66,7 +70,9 @@ __all__ = [
     "Finding",
     "Ids64",
     "PaddingWarning",
+    "ReplayReport",
     "Step",
+    "StepRecord",
     "audit",
     "audit_step",
     "bitwise_train_step",
@@ -77,6 +83,8 @@ __all__ = [
     "global_batch",
     "ids64",
     "mesh_over",
+    "record_step",
+    "replay_step",
     "testing",
     "train_step",
     "trainable",

@@ -35,6 +35,7 @@ Example:
 from unsplit._src.bitwise.cost import BitwiseCost as BitwiseCost
 from unsplit._src.bitwise.cost import bitwise_cost as bitwise_cost
 from unsplit._src.bitwise.traffic import bytes_sent as bytes_sent
+from unsplit._src.front.replay import digests as digests
 from unsplit._src.processes.launch import LaunchError as LaunchError
 from unsplit._src.processes.launch import free_port as free_port
 from unsplit._src.processes.launch import run_local_processes as run_local_processes
@@ -47,6 +48,7 @@ __all__ = [
     "bits_equal",
     "bitwise_cost",
     "bytes_sent",
+    "digests",
     "free_port",
     "rel_l2",
     "run_local_processes",

@@ -22,7 +22,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from unsplit._src import keys as keys_lib
 from unsplit._src import partition
+from unsplit._src.bitwise import relocate
 
 
 def rename(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -304,3 +306,90 @@ def gathered_blocks(blocks: list, gathers: list, sizes: dict) -> list:
         shape = [x.shape[d] * math.prod(sizes[a] for a in g) for d, g in enumerate(gathers[i])]
         out[i] = part.transpose(order).reshape(shape)
     return out
+
+
+def output_shardings(plan: Any, mesh: Mesh, single: bool) -> tuple[list, Any]:
+    """The grads' shardings (the params' as given) and the loss's, on the user's mesh (one
+    device's for a step without a mesh)."""
+    if single:
+        device = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+        return [device] * sum(plan.structure.diff), device
+    specs = [s for s, d in zip(plan.given, plan.structure.diff, strict=True) if d]
+    return [NamedSharding(mesh, s) for s in specs], NamedSharding(mesh, P())
+
+
+class GroupInputs:
+    """A plan's per-call placement of each local group's inputs on its devices: the flat
+    params (and held frozen leaves), the rows with their ids' words, the key."""
+
+    def __init__(self, plan: Any, local_groups: list[int]):
+        self.plan = plan
+        self.local_groups = local_groups
+        self._placers: dict[int, Placer] = {}
+        # Frozen leaves each device holds as its group computes with them: not packed.
+        self.held = Held(self.placer, local_groups, plan)
+        self._default_words: dict | None = None
+        self.key_sharding = NamedSharding(plan.compute, P())
+
+    def __call__(self, vectors, params, batch, ids, key, executables) -> dict:
+        """Each local group's (params vectors, rows (rows, hi, lo), key) on its devices
+        (``vectors``: the pack program's output; ``executables``: the groups' chunk programs).
+
+        Host work per call is kept to a few calls per group (measured on a loaded 2-core
+        CPU, where it competes with the chunk programs for the cores): the key is copied to
+        every device at once, the ids' words of ``ids=None`` are placed once per plan, each
+        batch leaf's shards are looked up once.
+        """
+        by_device = [{s.device: s.data for s in v.addressable_shards} for v in vectors]
+        held = self.held(params)
+        words = self._words(ids)
+        keys = self._keys(key, executables)
+        leaves, tree = jax.tree.flatten(batch)
+        shards = [shards_by_device(x) for x in leaves]
+        inputs = {}
+        for g in self.local_groups:
+            place = self.placer(g)
+            group_vectors = [place.flat(v, by_device[i]) for i, v in enumerate(vectors)] + held[g]
+            group_batch = [place.rows(x, s) for x, s in zip(leaves, shards, strict=True)]
+            group_rows = (jax.tree.unflatten(tree, group_batch), *words[g])
+            inputs[g] = (group_vectors, group_rows, keys[g])
+        return inputs
+
+    def placer(self, g: int) -> Placer:
+        """Group ``g``'s :class:`~.placement.Placer` (a function of the plan: built once)."""
+        if g not in self._placers:
+            plan = self.plan
+            rows = plan.per_group * plan.chunk
+            devices = list(plan.group_devices(g).flat)
+            self._placers[g] = Placer(plan.group_mesh(g), devices, g * rows, rows, plan.chunk_axes)
+        return self._placers[g]
+
+    def _words(self, ids) -> dict:
+        """Each local group's rows of the ids' (hi, lo) words, on its devices; those of
+        ``ids=None`` (the row indices) are the same every call: placed once."""
+        if ids is None and self._default_words is not None:
+            return self._default_words
+        hi, lo = keys_lib.step_words(ids, self.plan.chunks * self.plan.chunk, on_host=True)
+        words = {g: (self.placer(g).rows(hi), self.placer(g).rows(lo)) for g in self.local_groups}
+        if ids is None:
+            self._default_words = words
+        return words
+
+    def _keys(self, key, executables) -> dict:
+        """The key whole on each local group's devices: copied to every device in one call
+        (a typed key as its data, wrapped again per device: no program runs)."""
+        typed = keys_lib.is_typed_key(key)
+        data = jax.random.key_data(key) if typed else key
+        if not all(self.placer(g).size == 1 for g in self.local_groups):
+            return {g: self.placer(g).whole(key) for g in self.local_groups}
+        whole = replicate(data, self.key_sharding)
+        here = shards_by_device(whole)
+        impl = jax.random.key_impl(key) if typed else None
+        out = {}
+        for g in self.local_groups:
+            x = here[self.placer(g).devices[0]].data
+            # A loaded program takes the key's data as it is: wrapping it here only for
+            # the program to unwrap it again cost two dispatched ops per group.
+            wrap = typed and not isinstance(executables.get(g), relocate.Relocated)
+            out[g] = jax.random.wrap_key_data(x, impl=impl) if wrap else x
+        return out

@@ -16,9 +16,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import cache, placement, programs, reduce, relocate
+from unsplit._src.bitwise import cache, placement, programs, reduce
 from unsplit._src.bitwise.plan import Plan
 
 
@@ -34,14 +33,7 @@ class Runner:
         self.shared = cache.shared(owner.spec)
         self.pack = self._program(("pack", plan), lambda: programs.pack_program(plan))
         self.combine = self._program(("combine", plan), lambda: programs.combine_program(plan))
-        if owner.single:
-            device = mesh.devices.flat[0]
-            grad_shardings = [jax.sharding.SingleDeviceSharding(device)] * sum(plan.structure.diff)
-            loss_sharding = jax.sharding.SingleDeviceSharding(device)
-        else:
-            specs = [s for s, d in zip(plan.given, plan.structure.diff, strict=True) if d]
-            grad_shardings = [NamedSharding(mesh, s) for s in specs]
-            loss_sharding = NamedSharding(mesh, P())
+        grad_shardings, loss_sharding = placement.output_shardings(plan, mesh, owner.single)
         self.grad_shardings, self.loss_sharding = grad_shardings, loss_sharding
         self.unpack = self._program(
             ("unpack", plan, owner.single),
@@ -66,12 +58,9 @@ class Runner:
                 ("fused", plan, owner.single),
                 lambda: jax.jit(lambda *slots: unpack(list(combine(*slots))), out_shardings=outs),
             )
-        self._placers: dict[int, placement.Placer] = {}
-        # Frozen leaves each device holds as its group computes with them: not packed.
-        self.held = placement.Held(self._placer, self.local_groups, plan)
-        self._default_words: dict | None = None
+        self.placed = placement.GroupInputs(plan, self.local_groups)
+        self.held = self.placed.held
         self.total_sharding = NamedSharding(mesh, P(gentry))
-        self.key_sharding = NamedSharding(plan.compute, P())
 
     def combine_slots(self) -> list[jax.ShapeDtypeStruct]:
         """The combine program's inputs: every group's blocks of packed sums, stacked."""
@@ -138,76 +127,22 @@ class Runner:
         return programs.row_concat(NamedSharding(self.plan.group_mesh(g), P(entry)))(parts)
 
     def _inputs(self, params, batch, ids, key) -> dict:
-        """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices.
-
-        Host work per call is kept to a few calls per group (measured on a loaded 2-core
-        CPU, where it competes with the chunk programs for the cores): the key is copied to
-        every device at once, the ids' words of ``ids=None`` are placed once per plan, each
-        batch leaf's shards are looked up once, and a group of one chunk is not split.
-        """
+        """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices
+        (:class:`~.placement.GroupInputs`); a group of one chunk is not split."""
         plan = self.plan
-        vectors = self.pack(params)
-        by_device = [{s.device: s.data for s in v.addressable_shards} for v in vectors]
-        held = self.held(params)
-        words = self._words(ids)
-        keys = self._keys(key)
-        leaves, tree = jax.tree.flatten(batch)
-        shards = [placement.shards_by_device(x) for x in leaves]
         inputs = {}
-        for g in self.local_groups:
-            place = self._placer(g)
-            group_vectors = [place.flat(v, by_device[i]) for i, v in enumerate(vectors)] + held[g]
-            group_batch = [place.rows(x, s) for x, s in zip(leaves, shards, strict=True)]
-            group_rows = (jax.tree.unflatten(tree, group_batch), *words[g])
+        placed = self.placed(self.pack(params), params, batch, ids, key, self.executables)
+        for g, (vectors, group_rows, group_key) in placed.items():
             if plan.per_group == 1:  # the group's rows are its one chunk (placed as a chunk's)
                 chunks = [group_rows]
             elif plan.chunk_axes:
-                chunks = programs.chunk_splitter(plan.chunk, place.split)(group_rows)
+                chunks = programs.chunk_splitter(plan.chunk, self.placed.placer(g).split)(
+                    group_rows
+                )
             else:
                 chunks = programs.split_chunks(group_rows, plan.chunk)
-            inputs[g] = (group_vectors, chunks, keys[g])
+            inputs[g] = (vectors, chunks, group_key)
         return inputs
-
-    def _placer(self, g: int) -> placement.Placer:
-        """Group ``g``'s :class:`~.placement.Placer` (a function of the plan: built once)."""
-        if g not in self._placers:
-            plan = self.plan
-            rows = plan.per_group * plan.chunk
-            devices = list(plan.group_devices(g).flat)
-            self._placers[g] = placement.Placer(
-                plan.group_mesh(g), devices, g * rows, rows, plan.chunk_axes
-            )
-        return self._placers[g]
-
-    def _words(self, ids) -> dict:
-        """Each local group's rows of the ids' (hi, lo) words, on its devices; those of
-        ``ids=None`` (the row indices) are the same every call: placed once."""
-        if ids is None and self._default_words is not None:
-            return self._default_words
-        hi, lo = keys_lib.step_words(ids, self.plan.chunks * self.plan.chunk, on_host=True)
-        words = {g: (self._placer(g).rows(hi), self._placer(g).rows(lo)) for g in self.local_groups}
-        if ids is None:
-            self._default_words = words
-        return words
-
-    def _keys(self, key) -> dict:
-        """The key whole on each local group's devices: copied to every device in one call
-        (a typed key as its data, wrapped again per device: no program runs)."""
-        typed = keys_lib.is_typed_key(key)
-        data = jax.random.key_data(key) if typed else key
-        if not all(self._placer(g).size == 1 for g in self.local_groups):
-            return {g: self._placer(g).whole(key) for g in self.local_groups}
-        whole = placement.replicate(data, self.key_sharding)
-        here = placement.shards_by_device(whole)
-        impl = jax.random.key_impl(key) if typed else None
-        out = {}
-        for g in self.local_groups:
-            x = here[self._placer(g).devices[0]].data
-            # A loaded program takes the key's data as it is: wrapping it here only for
-            # the program to unwrap it again cost two dispatched ops per group.
-            wrap = typed and not isinstance(self.executables.get(g), relocate.Relocated)
-            out[g] = jax.random.wrap_key_data(x, impl=impl) if wrap else x
-        return out
 
     def _total(self, outs: dict) -> Any:
         """The groups' per-chunk packed sums added in the canonical tree, on the user's mesh

@@ -17,7 +17,7 @@ layout runs the same computation, cut differently over the devices:
   partial an op of the same shape on every layout, the partials added in the
   canonical tree over the block index (the device's own blocks first, an aligned
   subtree, then the devices' partials all-gathered and added in the same tree:
-  :func:`unsplit._src.bitwise.fsdp.group_reduce.fixed_sum`). A split that does not
+  :func:`unsplit._src.bitwise.blocked.moves.fixed_sum`). A split that does not
   divide a dimension's block count is refused (:class:`BlockError`);
 * ``reduce_max`` / ``reduce_min`` (and ``and`` / ``or``) over a split dimension take
   ``pmax`` / ``pmin`` (exact in any order);
@@ -58,7 +58,7 @@ from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
-from unsplit._src.bitwise.blocked import control, rules
+from unsplit._src.bitwise.blocked import control, moves, rules
 from unsplit._src.bitwise.blocked.values import (
     DEFAULT_BLOCKS,
     BlockError,
@@ -69,7 +69,6 @@ from unsplit._src.bitwise.blocked.values import (
     dims_of,
     replicated,
 )
-from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.step import jaxpr_eval
 
 __all__ = ["BlockError", "Rewrite", "Unsupported", "V", "dims_of", "program", "replicated"]
@@ -282,10 +281,10 @@ class Rewrite:
         shape = self.whole_shape(v)
         moved = list(zip(v.dims, dims, strict=True))
         gather = P(*(partition.entry(d) if d != t else None for d, t in moved))
-        x = group_reduce.gather(v.value, gather, self.axes)
+        x = moves.gather(v.value, gather, self.axes)
         cut = P(*(partition.entry(t) if d != t else None for d, t in moved))
         block = tuple(n // self.size(t) for n, t in zip(shape, dims, strict=True))
-        return group_reduce.block_of(x, cut, block, self.gmesh.shape, lambda n: None, self.axes)
+        return moves.block_of(x, cut, block, self.gmesh.shape, lambda n: None, self.axes)
 
     def local_blocks(self, size: int, axes: tuple[str, ...]) -> int:
         """How many of a dimension's canonical blocks (whole ``size``, split over ``axes``)
@@ -305,11 +304,11 @@ class Rewrite:
         """``x``'s local canonical blocks along ``dim`` added in the canonical tree, then the
         devices' partials over ``axes`` (all-gathered, in the axes' order) in the same tree."""
         x = jax.numpy.moveaxis(x, dim, 0)
-        local = group_reduce.fixed_sum(x, _add)
+        local = moves.fixed_sum(x, _add)
         if self.size(axes) == 1:
             return local
         # Gathered flat: a 1-D collective puts no layout constraint on the values around it
         # (a gathered N-D value got another layout than the one-device program's, and with
         # it other simplifications of the ops next to it).
         rows = jax.lax.all_gather(local.reshape(-1), partition.entry(axes), axis=0)
-        return group_reduce.fixed_sum(rows, _add).reshape(local.shape)
+        return moves.fixed_sum(rows, _add).reshape(local.shape)
