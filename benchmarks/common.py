@@ -6,6 +6,11 @@ one run are not. ``compare`` runs every candidate in alternating order
 median time and the median/min/max of its ratio to the baseline *within each
 round*. ``write_table`` replaces the block between two markers in a docs file,
 so the docs always quote the script's latest run.
+
+A ratio whose denominator is 0 is not a number: ``ratio`` gives ``nan`` and the
+cells print it as ``n/a``. On an accelerator the host's CPU time of a call is
+about 0 (the work runs on the device), and a program XLA fuses whole has no temp
+memory: neither may stop a run.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse
 import dataclasses
 import datetime
+import math
 import pathlib
 import platform
 import statistics
@@ -40,8 +46,39 @@ class Result:
     ratio_min: float
     ratio_max: float
     # The median per-round ratio of process CPU time (all threads) to the baseline's: on a
-    # machine shared with other jobs wall time also counts waiting for a core.
+    # machine shared with other jobs wall time also counts waiting for a core. On an
+    # accelerator it is the host's share only (launches, transfers); nan where the baseline
+    # took no measurable CPU time in any round.
     cpu_ratio_median: float = float("nan")
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``; ``nan`` (a cell's ``n/a``) where the denominator is 0.
+
+    >>> ratio(3.0, 2.0), ratio(1.0, 0.0)
+    (1.5, nan)
+    """
+    return numerator / denominator if denominator else float("nan")
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """The median of the per-round ratios that are numbers (``nan`` if none is).
+
+    >>> median_ratio([1.0, 2.0, 3.0], [1.0, 0.0, 1.0])
+    2.0
+    """
+    ratios = [ratio(a, b) for a, b in zip(numerators, denominators, strict=True)]
+    finite = [r for r in ratios if math.isfinite(r)]
+    return statistics.median(finite) if finite else float("nan")
+
+
+def times_cell(x: float, digits: int = 2) -> str:
+    """A ratio as a cell: ``1.23x``, or ``n/a`` for ``nan``.
+
+    >>> times_cell(1.234), times_cell(float("nan"))
+    ('1.23x', 'n/a')
+    """
+    return f"{x:.{digits}f}x" if math.isfinite(x) else "n/a"
 
 
 def block(x):
@@ -55,6 +92,18 @@ def time_once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def failure(error: BaseException, width: int = 300) -> str:
+    """A row that could not be measured, as its cell: ``failed: Type: message`` (one line).
+
+    >>> failure(MemoryError("RESOURCE_EXHAUSTED: 15.25 GiB needed\\nmore"))
+    'failed: MemoryError: RESOURCE_EXHAUSTED: 15.25 GiB needed'
+    """
+    lines = str(error).strip().splitlines()
+    text = f"failed: {type(error).__name__}: {lines[0] if lines else ''}".strip()
+    text = text.replace("|", "/")  # a markdown table's cell
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def compare(
     candidates: dict[str, Callable[[], object]],
     *,
@@ -62,38 +111,60 @@ def compare(
     repeats: int = 7,
     inner: int = 3,
     warmup: int = 2,
+    failed: dict[str, str] | None = None,
 ) -> list[Result]:
     """Times each zero-argument callable side by side; ratios are to ``baseline``.
 
     Each measurement is the mean of ``inner`` back-to-back calls; each round
     measures every candidate once, in a rotated order, so slow drifts of the
     machine hit all candidates alike.
+
+    With ``failed`` (a dict), a candidate that raises is recorded there
+    (``failure(error)``) and left out of the rounds that follow and of the
+    results; the others are measured. Without it, the error propagates. Ratios
+    to a baseline that failed are ``nan``.
     """
     names = list(candidates)
+    alive = set(names)
+
+    def timed(name: str, calls: int) -> tuple[float, float] | None:
+        """(mean wall time, process CPU time) of ``calls`` calls; ``None``: it failed."""
+        start = time.process_time()
+        try:
+            wall = sum(time_once(candidates[name]) for _ in range(calls)) / calls
+        except Exception as error:
+            if failed is None:
+                raise
+            failed[name] = failure(error)
+            alive.discard(name)
+            return None
+        return wall, time.process_time() - start
+
     for _ in range(warmup):
         for name in names:
-            time_once(candidates[name])
-    times: dict[str, list[float]] = {name: [] for name in names}
-    cpu: dict[str, list[float]] = {name: [] for name in names}
+            if name in alive:
+                timed(name, 1)
+    times: dict[str, dict[int, float]] = {name: {} for name in names}
+    cpu: dict[str, dict[int, float]] = {name: {} for name in names}
     for r in range(repeats):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            fn = candidates[name]
-            start = time.process_time()
-            times[name].append(sum(time_once(fn) for _ in range(inner)) / inner)
-            cpu[name].append(time.process_time() - start)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            if name in alive and (measured := timed(name, inner)) is not None:
+                times[name][r], cpu[name][r] = measured
     results = []
-    for name in names:
-        ratios = [t / b for t, b in zip(times[name], times[baseline], strict=True)]
-        cpu_ratios = [t / b for t, b in zip(cpu[name], cpu[baseline], strict=True)]
+    for name in (n for n in names if n in alive):
+        rounds = sorted(times[name])
+        base_wall = [times[baseline].get(r, 0.0) for r in rounds]
+        base_cpu = [cpu[baseline].get(r, 0.0) for r in rounds]
+        ratios = [ratio(times[name][r], b) for r, b in zip(rounds, base_wall, strict=True)]
+        finite = [x for x in ratios if math.isfinite(x)] or [float("nan")]
         results.append(
             Result(
                 name=name,
-                median_s=statistics.median(times[name]),
-                ratio_median=statistics.median(ratios),
-                ratio_min=min(ratios),
-                ratio_max=max(ratios),
-                cpu_ratio_median=statistics.median(cpu_ratios),
+                median_s=statistics.median(times[name].values()),
+                ratio_median=statistics.median(finite),
+                ratio_min=min(finite),
+                ratio_max=max(finite),
+                cpu_ratio_median=median_ratio([cpu[name][r] for r in rounds], base_cpu),
             )
         )
     return results
@@ -125,6 +196,9 @@ def step_memory(step: Any, params: Any, batch: Any, key: jax.Array) -> int:
 
 
 def ratio_cell(r: Result) -> str:
+    """``median (min-max)`` of a result's per-round time ratios, or ``n/a``."""
+    if not math.isfinite(r.ratio_median):
+        return "n/a"
     return f"{r.ratio_median:.2f}x ({r.ratio_min:.2f}-{r.ratio_max:.2f})"
 
 
