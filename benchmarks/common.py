@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 import unsplit
 import unsplit.testing
@@ -170,6 +171,92 @@ def compare(
     return results
 
 
+#: The baseline of the accelerator tables: what a user writes without unsplit.
+PLAIN = "user's jitted step"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One row: a step's call (no arguments) and its memory per device in bytes (if read)."""
+
+    call: Callable[[], object]
+    memory: Callable[[], int] | None = None
+
+
+def measure_rows(
+    rows: dict[str, Callable[[], Candidate]],
+    *,
+    baseline: str,
+    repeats: int,
+    time_left: Callable[[], float] = lambda: math.inf,
+    row_s: float = 0.0,
+) -> list[str]:
+    """The rows' markdown table: each row built and called once (its first call, timed
+    with the building: a step's trace and compile, ``chunk_size_for``'s probes), its
+    memory read, then all timed side by side (:func:`compare`).
+
+    A row that raises anywhere (built, first call, memory, timing) is reported failed with
+    the reason and the others are measured; a row is skipped when ``time_left()`` is
+    under ``row_s`` before it starts. Ratios are to ``baseline`` (``n/a`` if it failed).
+    """
+    built, first, memory, failed = {}, {}, {}, {}
+    for name, build in rows.items():
+        if time_left() < row_s:
+            failed[name] = "skipped (time)"
+            continue
+        try:
+            start = time.perf_counter()
+            candidate = build()
+            block(candidate.call())
+            first[name] = time.perf_counter() - start
+        except Exception as error:  # a row's failure is a finding: report it, go on
+            failed[name] = failure(error)
+            continue
+        built[name] = candidate
+        memory[name] = None
+        try:
+            memory[name] = candidate.memory() if candidate.memory else None
+        except Exception as error:
+            print(f"{name}: memory not read: {failure(error)}")
+    results = {}
+    if built:
+        calls = {name: c.call for name, c in built.items()}
+        for r in compare(
+            calls, baseline=baseline, repeats=repeats, inner=1, warmup=1, failed=failed
+        ):
+            results[r.name] = r
+    base_first = first.get(baseline, 0.0) if baseline in results else 0.0
+    base_memory = memory.get(baseline) or 0
+    lines = [f"| step | time / {baseline}: median (min-max) | median time | first call (trace "
+             f"and compile) | first call / {baseline}'s | memory per device | memory / "
+             f"{baseline}'s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name in rows:
+        if name in failed:
+            lines.append(f"| {name} | {failed[name]} | | | | | |")
+            continue
+        r, mem = results[name], memory[name]
+        mem_cells = ("n/a", "n/a") if mem is None else (
+            f"{mem / 2**20:.0f} MiB", times_cell(ratio(mem, base_memory)))  # fmt: skip
+        lines.append(
+            f"| {name} | {ratio_cell(r)} | {r.median_s * 1e3:.1f} ms | "
+            f"{first[name]:.1f} s | {times_cell(ratio(first[name], base_first))} | "
+            f"{mem_cells[0]} | {mem_cells[1]} |"
+        )
+    return lines
+
+
+def plain_step(loss, size: int):
+    """The user's own step: ``jax.jit(jax.value_and_grad(...))`` of the batch's weighted
+    loss, each example's key from ``unsplit.example_keys`` (the same work as unsplit's)."""
+
+    def batched(params, batch, key):
+        keys = unsplit.example_keys(key, jnp.arange(size))
+        sums, weights = jax.vmap(loss, in_axes=(None, 0, 0))(params, batch, keys)
+        return jnp.sum(sums) / jnp.sum(weights)
+
+    return jax.jit(jax.value_and_grad(batched))
+
+
 def compiled_temp_bytes(fn: Callable, *args) -> int:
     """XLA's compiled temp memory (``compiled.memory_analysis()``) for ``jit(fn)(*args)``."""
     compiled = jax.jit(fn).lower(*args).compile()
@@ -222,18 +309,34 @@ def print_table(title: str, header: list[str], rows: list[list[str]], width: int
 
 
 def environment_line() -> str:
+    device = jax.devices()[0]
+    devices = (
+        f"{jax.device_count()} devices"
+        if device.platform == "cpu"
+        else f"{jax.device_count()} x {device.device_kind}"
+    )
     return (
         f"Measured {datetime.date.today().isoformat()} on {platform.machine()} "
         f"({os.cpu_count()} cores), jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"{jax.device_count()} devices."
+        f"{devices}."
     )
+
+
+#: Where the tables measured on an accelerator go: the end of this section of the docs.
+ACCELERATORS = "## Accelerators"
 
 
 def write_table(doc: str, marker: str, body: str) -> pathlib.Path:
     """Replaces the text between ``<!-- marker:start -->`` and ``<!-- marker:end -->``.
 
-    The markers are added at the end of the file the first time.
+    On an accelerator the marker is ``marker-<platform>`` (``dropout-layer-gpu``), so
+    its tables stand beside the CPU ones instead of replacing them; the first time, it
+    is added at the end of the doc's section :data:`ACCELERATORS` (if it has one).
+    Other markers are added at the end of the file the first time.
     """
+    platform_name = jax.devices()[0].platform
+    if platform_name != "cpu":
+        marker = f"{marker}-{platform_name}"
     path = DOCS / doc
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
     text = path.read_text() if path.exists() else ""
@@ -242,6 +345,12 @@ def write_table(doc: str, marker: str, body: str) -> pathlib.Path:
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
         text = head + block_text + tail
+    elif platform_name != "cpu" and f"\n{ACCELERATORS}\n" in text:
+        head, section = text.split(f"\n{ACCELERATORS}\n", 1)
+        body_end = section.find("\n## ")
+        body_end = len(section) if body_end < 0 else body_end
+        section = section[:body_end].rstrip() + f"\n\n{block_text}\n" + section[body_end:]
+        text = f"{head}\n{ACCELERATORS}\n{section}"
     else:
         text = text.rstrip() + ("\n\n" if text else "") + block_text + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
