@@ -190,6 +190,7 @@ def measure_rows(
     repeats: int,
     time_left: Callable[[], float] = lambda: math.inf,
     row_s: float = 0.0,
+    progress: Callable[[str], None] = print,
 ) -> list[str]:
     """The rows' markdown table: each row built and called once (its first call, timed
     with the building: a step's trace and compile, ``chunk_size_for``'s probes), its
@@ -198,6 +199,8 @@ def measure_rows(
     A row that raises anywhere (built, first call, memory, timing) is reported failed with
     the reason and the others are measured; a row is skipped when ``time_left()`` is
     under ``row_s`` before it starts. Ratios are to ``baseline`` (``n/a`` if it failed).
+    ``progress`` gets a line per row as its first call ends (what a run stopped before
+    the table keeps).
     """
     built, first, memory, failed = {}, {}, {}, {}
     for name, build in rows.items():
@@ -211,13 +214,16 @@ def measure_rows(
             first[name] = time.perf_counter() - start
         except Exception as error:  # a row's failure is a finding: report it, go on
             failed[name] = failure(error)
+            progress(f"- {name}: {failed[name]}")
             continue
         built[name] = candidate
         memory[name] = None
         try:
             memory[name] = candidate.memory() if candidate.memory else None
         except Exception as error:
-            print(f"{name}: memory not read: {failure(error)}")
+            progress(f"- {name}: memory not read: {failure(error)}")
+        shown = "" if memory[name] is None else f", {memory[name] / 2**20:.0f} MiB per device"
+        progress(f"- {name}: first call {first[name]:.1f} s{shown}")
     results = {}
     if built:
         calls = {name: c.call for name, c in built.items()}
@@ -322,6 +328,12 @@ def environment_line() -> str:
     )
 
 
+def accelerator() -> str | None:
+    """The platform of the devices measured on (``"gpu"``, ``"tpu"``), ``None`` on CPU."""
+    platform_name = jax.devices()[0].platform
+    return None if platform_name == "cpu" else platform_name
+
+
 #: Where the tables measured on an accelerator go: the end of this section of the docs.
 ACCELERATORS = "## Accelerators"
 
@@ -334,8 +346,8 @@ def write_table(doc: str, marker: str, body: str) -> pathlib.Path:
     is added at the end of the doc's section :data:`ACCELERATORS` (if it has one).
     Other markers are added at the end of the file the first time.
     """
-    platform_name = jax.devices()[0].platform
-    if platform_name != "cpu":
+    platform_name = accelerator()
+    if platform_name is not None:
         marker = f"{marker}-{platform_name}"
     path = DOCS / doc
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
@@ -345,7 +357,7 @@ def write_table(doc: str, marker: str, body: str) -> pathlib.Path:
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
         text = head + block_text + tail
-    elif platform_name != "cpu" and f"\n{ACCELERATORS}\n" in text:
+    elif platform_name is not None and f"\n{ACCELERATORS}\n" in text:
         head, section = text.split(f"\n{ACCELERATORS}\n", 1)
         body_end = section.find("\n## ")
         body_end = len(section) if body_end < 0 else body_end

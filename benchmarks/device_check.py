@@ -3,7 +3,7 @@
 Run on a machine with a GPU or TPU (the one prepared call; ``./dev device-check`` runs
 it with the flags and paths it needs)::
 
-    python benchmarks/device_check.py --budget 480 --out-dir $OUT
+    python benchmarks/device_check.py --budget 540 --out-dir $OUT
 
 It sets the flags bitwise mode needs on GPU (``--xla_gpu_deterministic_ops=true
 --xla_gpu_autotune_level=0``), then runs its parts **each in a process of its own**,
@@ -15,12 +15,12 @@ the next one runs):
    (bitwise bits over microbatches and chunk layouts, ``train_step``, ``batch_loss``,
    the dropout kernels against their reference, default mode against the user's own
    jitted step, the memory check and ``chunk_size_for``);
-2. ``realistic`` (``realistic_check.py``): a GPT-2-small-scale transformer: the user's
-   jitted step, default mode and bitwise mode (the default chunk, the largest chunk
-   that fits, one chunk per device): time, first call (compile), memory, and a
-   ``jax.profiler`` summary of a bitwise step;
-3. ``timing``: the same rows on the small test transformer and on a 4-layer width-256
-   one at batch 32 (``device_parts.timing``);
+2. ``timing``: the user's own jitted step (the baseline), default mode and bitwise mode
+   (the default chunk, one chunk per device, the largest chunk that fits) on the small
+   test transformer and on a 4-layer width-256 one at batch 32: time, first call
+   (compile) and memory (``device_parts.timing``);
+3. ``realistic`` (``realistic_check.py``): the rows of ``timing`` at GPT-2-small size,
+   and a ``jax.profiler`` summary of a bitwise step;
 4. ``benches``: ``dropout_bench.py`` and ``attention_bench.py`` at full size, their
    tables written into docs/benchmarks.md (the dropout layers against Flax's, attention
    with dropout against Flax's without);
@@ -62,14 +62,14 @@ import traceback
 GPU_FLAGS = "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
-BUDGET_S = 8 * 60
+BUDGET_S = 9 * 60  # one call of the device tool: at most 10 minutes
 # (part, the most seconds it may take): shares of the budget, in the order they run.
 PARTS = {
-    "tests": 150,
-    "realistic": 240,
+    "tests": 120,
     "timing": 100,
-    "benches": 100,
-    "precision": 50,
+    "realistic": 270,
+    "benches": 120,
+    "precision": 60,
     "grid": 60,
     "coupled": 45,
     "others": 600,
@@ -178,10 +178,20 @@ def bench_part(scripts: list[str], seconds: float, write: bool, tiny: bool) -> l
     return lines
 
 
-PROBE = (
-    "import jax; d = jax.devices()[0]; "
-    "print(d.platform, '|', jax.device_count(), '|', d.device_kind, '|', jax.__version__)"
-)
+PROBE = """
+import importlib.metadata
+import jax
+
+def version(name):
+    try:
+        return f"{name} {importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"no {name}"
+
+d = jax.devices()[0]
+packages = ", ".join(version(n) for n in ("jax", "jaxlib", "flax", "optax", "equinox"))
+print(d.platform, "|", jax.device_count(), "|", d.device_kind, "|", packages)
+"""
 
 
 def probe() -> tuple[str, list[str]]:
@@ -195,7 +205,7 @@ def probe() -> tuple[str, list[str]]:
     return platform_name, [
         f"## Device check: {count} x {kind} ({platform_name})",
         "",
-        f"jax {version}; XLA_FLAGS={os.environ['XLA_FLAGS']}",
+        f"{version}; XLA_FLAGS={os.environ['XLA_FLAGS']}",
     ]
 
 
@@ -231,11 +241,13 @@ def main() -> int:
     small = args.tiny or platform_name == "cpu"
     write = platform_name not in ("cpu", "unknown") if args.write is None else args.write
     lines: list[str] = []
+    skipped: list[str] = []
     for part in (p for p in PARTS if p in parts):
         left = args.budget - (time.monotonic() - start) - RESERVE_S
         share = min(PARTS[part], left)
         if share < 20:
-            lines += ["", f"{part}: skipped (time; run it alone with --parts {part})"]
+            lines += ["", f"{part}: skipped (time)"]
+            skipped.append(part)
             continue
         print(f">> {part} (up to {share:.0f} s)", flush=True)
         begun = time.monotonic()
@@ -258,6 +270,9 @@ def main() -> int:
             report.unlink(missing_ok=True)
         print(f">> {part}: {time.monotonic() - begun:.0f} s", flush=True)
     lines += ["", f"Total {time.monotonic() - start:.0f} s (budget {args.budget:.0f} s)."]
+    if skipped:
+        lines += ["", f"Not run (time): {', '.join(skipped)}. Next: `./dev device-check --parts "
+                  f"{','.join(skipped)}`."]  # fmt: skip
     text = "\n".join(head + lines)
     print(text)
     if out_dir is not None:

@@ -129,10 +129,12 @@ def timing(lines: list[str], time_left: TimeLeft = lambda: math.inf) -> None:
         if time_left() < 45:
             lines += ["", f"{title}: skipped (time)"]
             continue
-        lines += timing_table(title, config, size, time_left)
+        timing_table(lines, title, config, size, time_left)
 
 
-def timing_table(title: str, config: TransformerConfig, size: int, time_left: TimeLeft):
+def timing_table(
+    lines: list[str], title: str, config: TransformerConfig, size: int, time_left: TimeLeft
+) -> None:
     """One model's rows against the user's jitted step, every device on one data axis."""
     n = max(device_counts(jax.device_count()))
     model, host, data = problem(config, size)
@@ -171,13 +173,17 @@ def timing_table(title: str, config: TransformerConfig, size: int, time_left: Ti
         f"bitwise, chunk {size // n} (one per device)": lambda: ours(size // n),
         "bitwise, the largest chunk that fits (`chunk_size_for`)": fitting,
     }
-    head = ["", f"### Step time: {title}, batch {size} on {n} device(s)", "",
-            f"`TransformerConfig(vocab={config.vocab}, length={config.length}, width="
-            f"{config.width}, heads={config.heads}, layers={config.layers})`, "
-            f"{count / 1e6:.2f}M params, token loss, dropout 0.1.", ""]  # fmt: skip
-    return head + common.measure_rows(
-        rows, baseline=common.PLAIN, repeats=15, time_left=time_left, row_s=15
-    )
+    lines += ["", f"### Step time: {title}, batch {size} on {n} device(s)", "",
+              f"`TransformerConfig(vocab={config.vocab}, length={config.length}, width="
+              f"{config.width}, heads={config.heads}, layers={config.layers})`, "
+              f"{count / 1e6:.2f}M params, token loss, dropout 0.1.", ""]  # fmt: skip
+    mark = len(lines)  # each row's first call as it ends, until the table replaces them
+    table = common.measure_rows(
+        rows, baseline=common.PLAIN, repeats=15, time_left=time_left, row_s=15,
+        progress=lines.append,
+    )  # fmt: skip
+    del lines[mark:]
+    lines += table
 
 
 def precision(lines: list[str], time_left: TimeLeft = lambda: math.inf) -> None:

@@ -118,9 +118,12 @@ def realistic(
               f"{count / 1e6:.1f}M params, global batch {size} on {n} x "
               f"{jax.devices()[0].device_kind}; token loss, dropout 0.1 and attention dropout "
               "0.1.", ""]  # fmt: skip
+    mark = len(lines)  # each row's first call as it ends, until the table replaces them
     table = common.measure_rows(
-        rows, baseline=common.PLAIN, repeats=3 if tiny else 7, time_left=time_left, row_s=90
-    )
+        rows, baseline=common.PLAIN, repeats=3 if tiny else 7, time_left=time_left, row_s=90,
+        progress=lines.append,
+    )  # fmt: skip
+    del lines[mark:]
     lines += table
     if fitted:
         lines += ["", f"`chunk_size_for(..., step=...)` picked chunk {fitted[0]} (of the "

