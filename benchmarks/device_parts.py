@@ -129,11 +129,16 @@ def timing(lines: list[str], time_left: TimeLeft = lambda: math.inf) -> None:
         if time_left() < 45:
             lines += ["", f"{title}: skipped (time)"]
             continue
-        timing_table(lines, title, config, size, time_left)
+        timing_table(lines, title, config, size, time_left, traced=config is SMALL)
 
 
 def timing_table(
-    lines: list[str], title: str, config: TransformerConfig, size: int, time_left: TimeLeft
+    lines: list[str],
+    title: str,
+    config: TransformerConfig,
+    size: int,
+    time_left: TimeLeft,
+    traced: bool = False,
 ) -> None:
     """One model's rows against the user's jitted step, every device on one data axis."""
     n = max(device_counts(jax.device_count()))
@@ -184,6 +189,13 @@ def timing_table(
     )  # fmt: skip
     del lines[mark:]
     lines += table
+    if traced and time_left() > 40:  # launches per step: the small model is launch-bound
+        import realistic_check
+
+        bitwise = unsplit.value_and_grad(loss, weighted=True, mesh=mesh, bitwise=True)
+        lines += realistic_check.profile(
+            lambda: bitwise(params, batch, key), "a bitwise step (chunk 8)"
+        )
 
 
 def precision(lines: list[str], time_left: TimeLeft = lambda: math.inf) -> None:

@@ -132,18 +132,28 @@ def realistic(
         lines += ["", "Profile: skipped (time)."]
         return
     bitwise = unsplit.value_and_grad(loss, weighted=True, mesh=mesh, bitwise=True)
+    lines += profile(
+        lambda: bitwise(params, batch, key), f"a bitwise step (chunk {default_chunk})", trace_dir
+    )
+
+
+def profile(call: Callable[[], object], what: str, trace_dir: pathlib.Path | None = None):
+    """Markdown lines: where ``call``'s time goes, from a ``jax.profiler`` trace of a few
+    calls (its first call, the compile, comes before the trace)."""
+    import common
+    import jax
+
     trace_dir = trace_dir or pathlib.Path(tempfile.mkdtemp(prefix="unsplit_trace_"))
     try:
-        common.block(bitwise(params, batch, key))  # compiled (cached) before the trace
+        common.block(call())
         with jax.profiler.trace(str(trace_dir)):
             for _ in range(TRACE_STEPS):
-                common.block(bitwise(params, batch, key))
+                common.block(call())
     except Exception as error:  # a profiler the machine lacks (CUPTI) is a finding, not a stop
-        lines += ["", f"Profile {common.failure(error)}"]
-        return
-    lines += ["", f"**Where a bitwise step's time goes** (chunk {default_chunk}; a "
-              f"`jax.profiler` trace of {TRACE_STEPS} steps in `{trace_dir}`; times per step):",
-              "", *trace_summary(trace_dir, TRACE_STEPS)]  # fmt: skip
+        return ["", f"Profile of {what}: {common.failure(error)}"]
+    return ["", f"**Where {what}'s time goes** (a `jax.profiler` trace of {TRACE_STEPS} calls "
+            f"in `{trace_dir}`; times per call):", "",
+            *trace_summary(trace_dir, TRACE_STEPS)]  # fmt: skip
 
 
 def trace_summary(trace_dir: pathlib.Path, steps: int, top: int = 15) -> list[str]:
