@@ -40,9 +40,9 @@ device's memory free.
 
 With ``--out-dir`` (default: ``$OUT`` when set) it writes ``device_check.md`` (the
 report, headed by the device's name), ``device_tests.log`` (the test suite's output)
-and ``benchmarks.md`` (docs/benchmarks.md with the tables the benches wrote and the
-report under the marker ``device-check-<platform>``): copy that file over
-docs/benchmarks.md and read the diff. ``--no-write`` leaves the docs alone. On CPU
+and every page of docs/ the run changed (``benchmarks.md`` with the tables the benches wrote
+and the report under the marker ``device-check-<platform>``; ``rule.md`` if the trajectory
+bench ran): copy them over docs/ and read the diff. ``--no-write`` leaves the docs alone. On CPU
 (no accelerator) the parts run small and write nothing, as a smoke run (``--tiny``
 runs small anywhere; ``--write`` writes anyway).
 """
@@ -75,6 +75,8 @@ PARTS = {
     "others": 600,
 }
 FIRST_BENCHES = ("dropout_bench.py", "attention_bench.py")
+# Benches that measure simulated CPU devices whatever the machine has: not an accelerator's.
+CPU_ONLY = {"agreement_bench.py": "it measures 2 processes of simulated CPU devices (gloo)"}
 RESERVE_S = 10  # for the report at the end
 MARKER = "device-check"
 
@@ -164,6 +166,9 @@ def bench_part(scripts: list[str], seconds: float, write: bool, tiny: bool) -> l
     lines: list[str] = []
     end = time.monotonic() + seconds
     for script in scripts:
+        if script in CPU_ONLY and not tiny:
+            lines += ["", f"{script}: not run on an accelerator ({CPU_ONLY[script]})"]
+            continue
         left = end - time.monotonic()
         if left < 15:
             lines += ["", f"{script}: skipped (time)"]
@@ -237,6 +242,7 @@ def main() -> int:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    docs = {path: path.read_text() for path in (ROOT / "docs").glob("*.md")}
     platform_name, head = probe()
     small = args.tiny or platform_name == "cpu"
     write = platform_name not in ("cpu", "unknown") if args.write is None else args.write
@@ -281,9 +287,11 @@ def main() -> int:
         sys.path.insert(0, str(HERE))
         import common
 
-        path = common.write_table("benchmarks.md", MARKER, text)
-        if out_dir is not None:
-            shutil.copy(path, out_dir / "benchmarks.md")
+        common.write_table("benchmarks.md", MARKER, text)
+    if out_dir is not None:  # the pages the benches and the report wrote, to copy back
+        for path, before in docs.items():
+            if path.read_text() != before:
+                shutil.copy(path, out_dir / path.name)
     return 0
 
 
