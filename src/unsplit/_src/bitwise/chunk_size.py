@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 
+from unsplit._src import frozen as frozen_lib
 from unsplit._src.bitwise.cost import _held_sums
 from unsplit._src.step import memory
 
@@ -55,6 +56,7 @@ def chunk_size_for(
     params: Any = None,
     batch: Any = None,
     key: jax.Array | None = None,
+    frozen: Any = None,
 ) -> int:
     """The largest bitwise ``chunk_size`` that every listed schedule accepts (and that fits).
 
@@ -74,7 +76,7 @@ def chunk_size_for(
         at_most: the largest chunk size to consider (activation memory).
         step: a bitwise step (``value_and_grad(..., bitwise=True)``, a
             per-example loss), with ``params``, ``batch`` (the global batch of
-            ``global_batch`` examples) and ``key`` as it will be called: the
+            ``global_batch`` examples), ``key`` (and ``frozen``) as it will be called: the
             chunk must then also fit its devices' free memory, with the margin
             the step needs beside its chunk program (see the module). Its own
             ``chunk_size`` is ignored; the candidates' programs are compiled
@@ -146,7 +148,7 @@ def chunk_size_for(
     if step is None:
         return fits[-1]
     held = {c: max(_held(size // c, share // c) for share in shares) for c in fits}
-    return _largest_that_fits(step, params, batch, key, batch_size=size, fits=held)
+    return _largest_that_fits(step, (params, batch, key), frozen, batch_size=size, fits=held)
 
 
 def _held(chunks: int, per_group: int) -> int:
@@ -155,7 +157,7 @@ def _held(chunks: int, per_group: int) -> int:
     return max(_held_sums(g * per_group, per_group) for g in range(chunks // per_group)) - 1
 
 
-def _largest_that_fits(step, params, batch, key, *, batch_size: int, fits: dict) -> int:
+def _largest_that_fits(step, inputs: tuple, frozen, *, batch_size: int, fits: dict) -> int:
     """The largest chunk of ``fits`` (chunk -> the partial sums held beside it) whose program
     the memory check accepts with the step's margin: the largest first, then bisection."""
     engine = getattr(step, "_engine", None)
@@ -168,12 +170,14 @@ def _largest_that_fits(step, params, batch, key, *, batch_size: int, fits: dict)
             "bitwise=True) of a per-example loss (a batch_loss step runs other programs: "
             "pick its chunk with at_most=...)."
         )
-    missing = [n for n, v in (("params", params), ("batch", batch), ("key", key)) if v is None]
+    missing = [n for n, v in zip(("params", "batch", "key"), inputs, strict=True) if v is None]
     if missing:
         raise TypeError(
             f"chunk_size_for(step=...) compiles the step for its inputs; got no {missing}. "
             "Fix: pass params=, batch= and key= as you will call the step."
         )
+    params, batch, key = inputs
+    inputs = (frozen_lib.combine(params, frozen), batch, key)  # as the step combines them
     rows = jax.tree.leaves(batch)[0].shape[0]
     if step.group_size is None and rows != batch_size:
         raise ValueError(
@@ -185,7 +189,7 @@ def _largest_that_fits(step, params, batch, key, *, batch_size: int, fits: dict)
     verdicts = {}
 
     def ok(chunk: int) -> bool:
-        verdicts[chunk] = _verdict(step, params, batch, key, chunk, fits[chunk])
+        verdicts[chunk] = _verdict(step, inputs, chunk, fits[chunk])
         return verdicts[chunk] is None
 
     if ok(candidates[-1]):
@@ -209,13 +213,14 @@ def _largest_that_fits(step, params, batch, key, *, batch_size: int, fits: dict)
     return best
 
 
-def _verdict(step, params, batch, key, chunk: int, held: int) -> str | None:
+def _verdict(step, inputs: tuple, chunk: int, held: int) -> str | None:
     """``None`` if ``step``'s chunk program at ``chunk`` fits with the margin, else why not.
 
     The program is compiled as the step's first call compiles it (and cached for the
     steps of this loss function), after the call's inputs are placed, so the free
     memory is what the memory check will see.
     """
+    params, batch, key = inputs  # params: with the frozen inputs, if any
     options = step.options
     bitwise = dataclasses.replace(options.bitwise, chunk_size=chunk)
     probe = type(step)(step.loss_fn, dataclasses.replace(options, bitwise=bitwise))

@@ -219,7 +219,7 @@ def test_the_fitting_chunk_is_found_in_few_compiles(monkeypatch, needed):
     free_memory(monkeypatch, needed[8] + needed[8] // 2)
     probed = []
     verdict = chunk_size._verdict
-    monkeypatch.setattr(chunk_size, "_verdict", lambda *a: probed.append(a[4]) or verdict(*a))
+    monkeypatch.setattr(chunk_size, "_verdict", lambda *a: probed.append(a[2]) or verdict(*a))
     assert fitted() == 8
     assert probed == [32, 4, 16, 8]  # the largest, then bisection over 1..16
 
@@ -266,3 +266,17 @@ def test_the_picked_chunks_program_is_kept_for_the_step(monkeypatch, needed):
     step = unsplit.value_and_grad(loss, bitwise=True, chunk_size=chunk)
     jax.block_until_ready(step(*WIDE_INPUTS))
     assert checked == []  # its chunk program was compiled (and checked) by chunk_size_for
+
+
+def test_a_step_with_frozen_inputs_is_fitted_with_them(monkeypatch, needed):
+    def loss(w, x, key, frozen):  # frozen: a scale, never differentiated
+        hidden = jnp.tanh(x[:, None] * (w * frozen)[None, :])
+        return jnp.sum(hidden * jax.random.uniform(key, hidden.shape))
+
+    free_memory(monkeypatch, needed[32] - 1)
+    w, x, key = WIDE_INPUTS
+    step = unsplit.value_and_grad(loss, bitwise=True)
+    frozen = jnp.full(WIDE, 0.5)
+    chunk = chunk_size_for(32, 1, step=step, params=w, batch=x, key=key, frozen=frozen)
+    assert chunk == 16
+    unsplit.value_and_grad(loss, bitwise=True, chunk_size=chunk)(w, x, key, frozen=frozen)
