@@ -151,12 +151,15 @@ def tests_part(seconds: float, out_dir: pathlib.Path | None) -> list[str]:
     env = dict(os.environ, UNSPLIT_TEST_XLA_OPTIMIZE="1")
     env.setdefault("JAX_PLATFORMS", "")  # the accelerator (conftest would pick the CPU)
     cmd = [sys.executable, "-m", "pytest", "-m", "device", "tests/device_test.py",
-           "-p", "no:cacheprovider", "-W", "default", "-q", "-rA", "--durations=10"]  # fmt: skip
+           "-p", "no:cacheprovider", "-W", "default", "-v", "-rfEsx", "--durations=10"]  # fmt: skip
     status, out = run(cmd, seconds, env)
     if out_dir is not None:
         (out_dir / "device_tests.log").write_text(out)
-    summary = [line for line in out.splitlines() if line.startswith(("PASSED", "FAILED",
-               "SKIPPED", "ERROR"))] or out.strip().splitlines()[-15:]  # fmt: skip
+    # A line per test as it ends (kept if the run is stopped), then the reasons and the total.
+    outcomes = (" PASSED", " FAILED", " SKIPPED", " XFAIL", " XPASS", " ERROR")
+    ended = [line for line in out.splitlines() if "::" in line and any(o in line for o in outcomes)]
+    tail = [line for line in out.splitlines() if line.startswith(("FAILED", "ERROR", "SKIPPED"))]
+    summary = ended + tail + out.strip().splitlines()[-1:]
     said = "stopped after its share of the time" if status is None else f"exit {status}"
     return ["", f"### Device tests: `pytest -m device tests/device_test.py` ({said})", "",
             "```", *summary[-60:], "```"]  # fmt: skip
