@@ -202,7 +202,7 @@ def run(setup: Setup) -> Report:  # one function: every column of a row, timed s
         ),
     }
     ref = next(iter(mem.values()))
-    mem_rows = [[name, mib(b), f"{b / ref:.2f}x"] for name, b in mem.items()]
+    mem_rows = [[name, mib(b), common.times_cell(common.ratio(b, ref))] for name, b in mem.items()]
 
     ms_name = f"optax.MultiSteps: {k} jitted calls of {micro} examples"
     candidates = {

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import time
 
 import common
@@ -142,11 +141,7 @@ def cpu_ratios(candidates: dict, baseline: str, repeats: int) -> dict[str, float
             start = time.process_time()
             common.block(candidates[name]())
             times[name].append(time.process_time() - start)
-    base = times[baseline]
-    return {
-        name: statistics.median(t / b for t, b in zip(times[name], base, strict=True))
-        for name in names
-    }
+    return {name: common.median_ratio(times[name], times[baseline]) for name in names}
 
 
 def mib(n: int) -> str:
@@ -197,7 +192,7 @@ def rows(setup: Setup) -> tuple[list[list[str]], list[str]]:
                         mode,
                         r.name,
                         common.ratio_cell(r),
-                        f"{cpu[r.name]:.2f}x" if r.name in cpu else "- (accelerator)",
+                        common.times_cell(cpu[r.name]) if r.name in cpu else "- (accelerator)",
                         f"{mib(temp[r.name])} vs {mib(temp['flax'])}",
                         f"{r.median_s * 1e3:.1f} vs "
                         f"{next(x for x in results if x.name == 'flax').median_s * 1e3:.1f} ms",

@@ -145,7 +145,8 @@ def measure(layout: Layout, config, batch, quick):
 
 
 def bytes_cell(bitwise: float, default: float, _) -> str:
-    return f"{bitwise / 2**20:.2f} / {default / 2**20:.2f} MiB ({bitwise / default:.2f}x)"
+    ratio = common.times_cell(common.ratio(bitwise, default))
+    return f"{bitwise / 2**20:.2f} / {default / 2**20:.2f} MiB ({ratio})"
 
 
 def chunked_cell(per_group: int, result) -> str:
@@ -177,11 +178,12 @@ def main() -> None:
             [
                 r["layout"],
                 common.ratio_cell(t),
-                f"{t.cpu_ratio_median:.2f}x",
+                common.times_cell(t.cpu_ratio_median),
                 chunked_cell(*r["chunked"]),
                 str(r["collectives"]),
                 f"{r['first']:.1f}x",
-                f"{mb / 2**20:.1f} / {md / 2**20:.1f} MiB ({mb / md:.2f}x)",
+                f"{mb / 2**20:.1f} / {md / 2**20:.1f} MiB "
+                f"({common.times_cell(common.ratio(mb, md))})",
                 bytes_cell(*r["bytes"]),
                 f"{r['bytes'][2]:.2f}x",
                 "yes" if r["identical"] else "NO",

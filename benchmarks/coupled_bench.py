@@ -169,11 +169,11 @@ def measure(name: str, batch: int, width: int, tokens: int, repeats: int) -> lis
     base = memory["unsplit k=1"]
     rows = [
         [f"{name}: {n}", common.ratio_cell(results[n]), f"{memory[n] / 2**20:.1f} MiB",
-         f"{memory[n] / base:.2f}x"]
+         common.times_cell(common.ratio(memory[n], base))]
         for n in steps
     ]  # fmt: skip
     rows.append([f"{name}: the batch loss's own pass (floor)", "-", f"{floor / 2**20:.1f} MiB",
-                 f"{floor / base:.2f}x"])  # fmt: skip
+                 common.times_cell(common.ratio(floor, base))])  # fmt: skip
     return rows
 
 

@@ -1,37 +1,50 @@
-"""The accelerator check: bitwise bits and costs on the devices this machine has (<= 8 min).
+"""The accelerator check: the device tests, bitwise bits and every benchmark in one call.
 
-Run on a machine with GPUs (or TPUs)::
+Run on a machine with a GPU or TPU (the one prepared call; ``./dev device-check`` runs
+it with the flags and paths it needs)::
 
-    python benchmarks/device_check.py --out device_check.md
+    python benchmarks/device_check.py --budget 540 --out-dir $OUT
 
 It sets the flags bitwise mode needs on GPU (``--xla_gpu_deterministic_ops=true
---xla_gpu_autotune_level=0``) before importing jax, then, on the devices it finds:
+--xla_gpu_autotune_level=0``), then runs its parts **each in a process of its own**,
+in this order, each within its share of ``--budget`` seconds (a part that runs out of
+time says what it skipped; a part that fails or dies is reported with the reason, and
+the next one runs):
 
-1. **the bitwise grid**: the test transformer's bitwise step on 1, 2, 4 and 8 devices
-   (those present) with 1 or 2 microbatches; loss and grads compared bit for bit with the
-   one-device result; then 3 AdamW steps through ``unsplit.train_step`` with FSDP
-   params on every device count, params and optimizer state compared bit for bit;
-2. **bitwise vs default time**: the same step, side by side in alternating rounds, with
-   replicated params, FSDP params and, with 2+ devices, tensor parallel (data, model=2);
-3. **a contrastive step** (``batch_loss``): bitwise bits across microbatches, and
-   default mode's time vs a plain jit at 1 and 8 microbatches;
-4. **the dropout and attention benches** (``dropout_bench.py`` and
-   ``attention_bench.py`` with ``--quick``), their tables as printed; they run first, each
-   in a process of its own, before the check opens the accelerator (a TPU chip is held by
-   one process at a time);
-5. **a realistic size** (``realistic_check.py``): a GPT-2-small-scale transformer (12
-   layers, width 768, sequence 512, batch 32), bitwise / default time and memory at the
-   default chunk size and at one chunk per device, and a ``jax.profiler`` trace summary
-   of where a bitwise step's time goes.
+1. ``tests``: the device test suite, ``pytest -m device tests/device_test.py``
+   (bitwise bits over microbatches and chunk layouts, ``train_step``, ``batch_loss``,
+   the dropout kernels against their reference, default mode against the user's own
+   jitted step, the memory check and ``chunk_size_for``);
+2. ``timing``: the user's own jitted step (the baseline), default mode and bitwise mode
+   (the default chunk, one chunk per device, the largest chunk that fits) on the small
+   test transformer and on a 4-layer width-256 one at batch 32: time, first call
+   (compile) and memory (``device_parts.timing``);
+3. ``realistic`` (``realistic_check.py``): the rows of ``timing`` at GPT-2-small size,
+   and a ``jax.profiler`` summary of a bitwise step;
+4. ``benches``: ``dropout_bench.py`` and ``attention_bench.py`` at full size, their
+   tables written into docs/benchmarks.md (the dropout layers against Flax's, attention
+   with dropout against Flax's without);
+5. ``precision``: default mode's grads across microbatches, bitwise's and the user's
+   jitted step's against default mode, at the backend's default matmul precision and
+   at ``"highest"``;
+6. ``grid``: bitwise bits over the devices found and microbatches, and AdamW steps
+   through ``unsplit.train_step``;
+7. ``coupled``: a contrastive step (``batch_loss``);
+8. ``others``: every other ``benchmarks/*_bench.py``, full size, tables written (a
+   bench that needs more devices than the machine has fails fast, with its reason).
 
-``--parts`` picks parts (default: all, the realistic one last, if time is left);
-``--parts realistic --budget 540`` is the one prepared call for the realistic size.
-``--tiny`` (and any CPU run) makes the realistic part small, to check the script end
-to end. ``--trace-dir`` keeps the trace (default: ``$OUT/trace`` when ``$OUT`` is set).
+``--parts`` picks parts (comma-separated, in the order above). Each part runs in a
+process of its own: a TPU chip is held by one process at a time, a part that dies
+(out of memory, a crash) takes nothing else with it, and each starts with the
+device's memory free.
 
-Everything goes to stdout and, with ``--out``, to a markdown file headed by the device's
-name, ready for docs/benchmarks.md. Each part checks the time left and says what it
-skipped. On CPU (no accelerator) it runs on 8 simulated devices, as a smoke run.
+With ``--out-dir`` (default: ``$OUT`` when set) it writes ``device_check.md`` (the
+report, headed by the device's name), ``device_tests.log`` (the test suite's output)
+and every page of docs/ the run changed (``benchmarks.md`` with the tables the benches wrote
+and the report under the marker ``device-check-<platform>``; ``rule.md`` if the trajectory
+bench ran): copy them over docs/ and read the diff. ``--no-write`` leaves the docs alone. On CPU
+(no accelerator) the parts run small and write nothing, as a smoke run (``--tiny``
+runs small anywhere; ``--write`` writes anyway).
 """
 
 from __future__ import annotations
@@ -39,20 +52,33 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
 GPU_FLAGS = "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
 HERE = pathlib.Path(__file__).resolve().parent
-BUDGET_S = 8 * 60
-BENCHES_S = 150  # of BUDGET_S, for the dropout and attention benches
-START = time.monotonic()
-
-
-def left() -> float:
-    return BUDGET_S - (time.monotonic() - START)
+ROOT = HERE.parent
+BUDGET_S = 9 * 60  # one call of the device tool: at most 10 minutes
+# (part, the most seconds it may take): shares of the budget, in the order they run.
+PARTS = {
+    "tests": 120,
+    "timing": 100,
+    "realistic": 270,
+    "benches": 120,
+    "precision": 60,
+    "grid": 60,
+    "coupled": 45,
+    "others": 600,
+}
+FIRST_BENCHES = ("dropout_bench.py", "attention_bench.py")
+# Benches that measure simulated CPU devices whatever the machine has: not an accelerator's.
+CPU_ONLY = {"agreement_bench.py": "it measures 2 processes of simulated CPU devices (gloo)"}
+RESERVE_S = 10  # for the report at the end
+MARKER = "device-check"
 
 
 def setup_flags() -> None:
@@ -64,259 +90,211 @@ def setup_flags() -> None:
     os.environ["XLA_FLAGS"] = flags.strip()
 
 
-def device_counts(n: int) -> list[int]:
-    return [d for d in (1, 2, 4, 8) if d <= n]
+class Report(list):
+    """Markdown lines, written to ``path`` as they come: a part stopped for time keeps
+    what it had measured."""
+
+    def __init__(self, path: pathlib.Path):
+        super().__init__()
+        self.path = path
+
+    def _flush(self) -> None:
+        self.path.write_text("\n".join(self) + "\n")
+
+    def append(self, line) -> None:
+        super().append(line)
+        self._flush()
+
+    def __iadd__(self, lines):
+        super().__iadd__(lines)
+        self._flush()
+        return self
 
 
-def grid(lines: list[str]) -> None:
-    import jax
-    import numpy as np
-    import optax
+def child(part: str, report: pathlib.Path, seconds: float, tiny: bool) -> int:
+    """Runs one in-process part (``--child``), its lines written to ``report``."""
+    end = time.monotonic() + seconds
 
-    import unsplit
-    from unsplit.models import (
-        Transformer,
-        TransformerConfig,
-        fsdp_specs,
-        init_params,
-        on_mesh,
-        synthetic_batch,
-        token_loss,
-    )
+    def left() -> float:
+        return end - time.monotonic()
 
-    config = TransformerConfig(vocab=96, length=64, width=128, heads=4, layers=2)
-    model = Transformer(config)
-    host = jax.tree.map(np.asarray, init_params(model))
-    batch = jax.tree.map(np.asarray, synthetic_batch(config, 64, seed=1))
-    key = jax.random.key(0)
-    loss = token_loss(model)
-    counts = device_counts(jax.device_count())
-    reference = None
-    lines += ["", "### Bitwise grid (loss and grads vs 1 device)", "",
-              "| devices | microbatches | bit-identical |", "|---|---|---|"]  # fmt: skip
-    for n in counts:
-        for microbatches in (1, 2, 4):
-            if left() < 60:
-                lines.append(f"| {n} | {microbatches} | skipped (time) |")
-                continue
-            mesh = jax.make_mesh((n,), ("data",))
-            step = unsplit.value_and_grad(
-                loss, weighted=True, mesh=mesh, microbatches=microbatches, bitwise=True
-            )
-            out = jax.device_get(step(on_mesh(host, mesh), batch, key))
-            reference = out if reference is None else reference
-            lines.append(f"| {n} | {microbatches} | {unsplit.testing.bits_equal(out, reference)} |")
-    lines += ["", "### 3 AdamW steps, FSDP params (params and optimizer state vs 1 device)", "",
-              "| devices | bit-identical |", "|---|---|"]  # fmt: skip
-    first = None
-    for n in counts:
-        if left() < 60:
-            lines.append(f"| {n} | skipped (time) |")
-            continue
-        mesh = jax.make_mesh((n,), ("data",))
-        params = on_mesh(host, mesh, fsdp_specs(host, "data", n))
-        optimizer = optax.adamw(1e-3)
-        with jax.set_mesh(mesh):
-            opt_state = optimizer.init(params)
-        train = unsplit.train_step(
-            unsplit.value_and_grad(loss, weighted=True, mesh=mesh, bitwise=True), optimizer
+    sys.path.insert(0, str(HERE))
+    lines = Report(report)
+    try:
+        if part == "realistic":
+            import realistic_check
+
+            realistic_check.realistic(lines, tiny=tiny, time_left=left)
+        else:
+            import device_parts
+
+            getattr(device_parts, part)(lines, left)
+    except Exception as error:  # the part's own failure: reported, not raised
+        lines += ["", f"{part} failed: {type(error).__name__}: {error}", "", "```",
+                  traceback.format_exc(limit=-6).strip()[-3000:], "```"]  # fmt: skip
+    return 0
+
+
+def run(cmd: list[str], seconds: float, env: dict | None = None) -> tuple[int | None, str]:
+    """``cmd``'s exit status (``None``: stopped after ``seconds``) and its output."""
+    try:
+        done = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(seconds, 1), env=env
         )
-        for i in range(3):
-            _, params, opt_state = train(params, opt_state, batch, jax.random.fold_in(key, i))
-        out = jax.device_get((params, opt_state))
-        first = out if first is None else first
-        lines.append(f"| {n} | {unsplit.testing.bits_equal(out, first)} |")
+    except subprocess.TimeoutExpired as stopped:
+        out = (stopped.stdout or b"") + (stopped.stderr or b"")
+        return None, out.decode(errors="replace") if isinstance(out, bytes) else out
+    return done.returncode, done.stdout + done.stderr
 
 
-def timing(lines: list[str]) -> None:
-    import common
-    import jax
-    import numpy as np
+def tests_part(seconds: float, out_dir: pathlib.Path | None) -> list[str]:
+    env = dict(os.environ, UNSPLIT_TEST_XLA_OPTIMIZE="1")
+    env.setdefault("JAX_PLATFORMS", "")  # the accelerator (conftest would pick the CPU)
+    cmd = [sys.executable, "-m", "pytest", "-m", "device", "tests/device_test.py",
+           "-p", "no:cacheprovider", "-W", "default", "-v", "-rfEsx", "--durations=10"]  # fmt: skip
+    status, out = run(cmd, seconds, env)
+    if out_dir is not None:
+        (out_dir / "device_tests.log").write_text(out)
+    # A line per test as it ends (kept if the run is stopped), then the reasons and the total.
+    outcomes = (" PASSED", " FAILED", " SKIPPED", " XFAIL", " XPASS", " ERROR")
+    ended = [line for line in out.splitlines() if "::" in line and any(o in line for o in outcomes)]
+    tail = [line for line in out.splitlines() if line.startswith(("FAILED", "ERROR", "SKIPPED"))]
+    summary = ended + tail + out.strip().splitlines()[-1:]
+    said = "stopped after its share of the time" if status is None else f"exit {status}"
+    return ["", f"### Device tests: `pytest -m device tests/device_test.py` ({said})", "",
+            "```", *summary[-60:], "```"]  # fmt: skip
 
-    from unsplit.models import (
-        Transformer,
-        TransformerConfig,
-        fsdp_specs,
-        init_params,
-        megatron_specs,
-        on_mesh,
-        synthetic_batch,
-    )
 
-    config = TransformerConfig(vocab=96, length=64, width=256, heads=4, layers=4)
-    model = Transformer(config)
-    host = jax.tree.map(np.asarray, init_params(model))
-    batch = jax.tree.map(np.asarray, synthetic_batch(config, 64, seed=1))
-    key = jax.random.key(0)
-    n = max(device_counts(jax.device_count()))
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    layouts = [("replicated", (n, 1), None, None), ("FSDP", (n, 1), "fsdp", None)]
-    # A bigger chunk: fewer, larger chunk programs per step (64 // n rows: one per device).
-    layouts.append((f"replicated, chunk_size={64 // n}", (n, 1), None, 64 // n))
-    if n >= 2:
-        layouts.append(("tensor parallel, Megatron", (n // 2, 2), "megatron", None))
-    lines += ["", f"### Step time, bitwise / default ({n} devices, batch 64)", "",
-              "| layout | bitwise / default (median, min-max) | first call: bitwise / default |",
-              "|---|---|---|"]  # fmt: skip
-    for name, shape, specs, chunk_size in layouts:
-        if left() < 90:
-            lines.append(f"| {name} | skipped (time) | |")
+def bench_part(scripts: list[str], seconds: float, write: bool, tiny: bool) -> list[str]:
+    lines: list[str] = []
+    end = time.monotonic() + seconds
+    for script in scripts:
+        if script in CPU_ONLY and not tiny:
+            lines += ["", f"{script}: not run on an accelerator ({CPU_ONLY[script]})"]
             continue
-        mesh = jax.make_mesh(shape, ("data", "model"), axis_types=auto)
-        spec_tree = None
-        if specs == "fsdp":
-            spec_tree = fsdp_specs(host, "data", shape[0])
-        elif specs == "megatron":
-            spec_tree = megatron_specs(host)
-        params = on_mesh(host, mesh, spec_tree)
-        ratio, first = time_layout(model, params, batch, key, mesh, chunk_size)
-        lines.append(f"| {name} | {common.ratio_cell(ratio)} | {first:.1f}x |")
-
-
-def time_layout(model, params, batch, key, mesh, chunk_size=None):
-    """(bitwise / default step time, bitwise / default first call) for one layout."""
-    import common
-
-    import unsplit
-    from unsplit.models import token_loss
-
-    default = unsplit.value_and_grad(token_loss(model), weighted=True, mesh=mesh)
-    bitwise = unsplit.value_and_grad(
-        token_loss(model), weighted=True, mesh=mesh, bitwise=True, chunk_size=chunk_size
-    )
-    first = common.time_once(lambda: bitwise(params, batch, key)) / common.time_once(
-        lambda: default(params, batch, key)
-    )
-    candidates = {
-        "default": lambda: default(params, batch, key),
-        "bitwise": lambda: bitwise(params, batch, key),
-    }
-    results = common.compare(candidates, baseline="default", repeats=7, inner=3, warmup=1)
-    return next(r for r in results if r.name == "bitwise"), first
-
-
-def coupled(lines: list[str]) -> None:
-    """A contrastive step (``batch_loss``): bits across microbatches, time vs plain jit."""
-    import common
-    import coupled_bench as cb
-    import jax
-
-    import unsplit
-
-    params, data = cb.problem(256, 512, tokens=16)
-    key = jax.random.key(3)
-    lines += ["", "### Contrastive step (batch_loss), batch 256, 16-token towers", "",
-              "| step | bits vs microbatches=1 (bitwise) | time / plain jit (default mode) |",
-              "|---|---|---|"]  # fmt: skip
-    first = None
-    for k in (1, 2, 4):
-        step = unsplit.value_and_grad(
-            cb.features_fn, batch_loss=cb.batch_loss_fn, microbatches=k, bitwise=True
-        )
-        out = jax.device_get(step(params, data, key))
-        first = out if first is None else first
-        lines.append(f"| bitwise, microbatches={k} | {unsplit.testing.bits_equal(out, first)} | |")
-    plain = jax.jit(jax.value_and_grad(cb.plain_loss))
-    candidates = {"plain": lambda: plain(params, data, key)}
-    for k in (1, 8):
-        step = unsplit.value_and_grad(cb.features_fn, batch_loss=cb.batch_loss_fn, microbatches=k)
-        candidates[f"unsplit k={k}"] = lambda s=step: s(params, data, key)
-    for r in common.compare(candidates, baseline="plain", repeats=7, inner=3, warmup=1):
-        if r.name != "plain":
-            lines.append(f"| default, {r.name} | | {common.ratio_cell(r)} |")
-
-
-def benches(lines: list[str], budget_s: float = BENCHES_S) -> None:
-    """The dropout and attention benches, each in a process of its own.
-
-    Run before this process opens the accelerator: a TPU chip is held by one process at a
-    time, so a bench started while the check holds it could not open it.
-    """
-    end = time.monotonic() + budget_s
-    for script in ("dropout_bench.py", "attention_bench.py"):
-        if end - time.monotonic() < 20:
+        left = end - time.monotonic()
+        if left < 15:
             lines += ["", f"{script}: skipped (time)"]
             continue
-        try:
-            done = subprocess.run(
-                [sys.executable, str(HERE / script), "--quick"],
-                capture_output=True,
-                text=True,
-                timeout=end - time.monotonic(),
-                env=os.environ,
-            )
-        except subprocess.TimeoutExpired:
-            lines += ["", f"{script}: stopped after its share of the time"]
-            continue
-        shown = done.stdout.strip()[-4000:]
-        if done.returncode:  # a failure is a finding: show why
-            shown += "\n" + done.stderr.strip()[-3000:]
-        lines += ["", f"### {script} --quick (exit {done.returncode})", "", "```",
-                  shown.strip(), "```"]  # fmt: skip
+        flags = (["--quick"] if tiny else []) + (["--write"] if write else ["--no-write"])
+        start = time.monotonic()
+        status, out = run([sys.executable, str(HERE / script), *flags], left)
+        took = time.monotonic() - start
+        said = "stopped after its share of the time" if status is None else f"exit {status}"
+        lines += ["", f"### {script} {' '.join(flags)} ({said}, {took:.0f} s)", "", "```",
+                  out.strip()[-3500:], "```"]  # fmt: skip
+    return lines
 
 
-PARTS = ("benches", "grid", "timing", "coupled", "realistic")
+PROBE = """
+import importlib.metadata
+import jax
+
+def version(name):
+    try:
+        return f"{name} {importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"no {name}"
+
+d = jax.devices()[0]
+packages = ", ".join(version(n) for n in ("jax", "jaxlib", "flax", "optax", "equinox"))
+print(d.platform, "|", jax.device_count(), "|", d.device_kind, "|", packages)
+"""
+
+
+def probe() -> tuple[str, list[str]]:
+    """The backend's platform and the report's heading, read in a process of its own (this
+    one never opens the device: a TPU chip is held by one process at a time)."""
+    status, out = run([sys.executable, "-c", PROBE], 180)
+    fields = [f.strip() for f in (out.strip().splitlines() or [""])[-1].split("|")]
+    if status != 0 or len(fields) != 4:
+        return "unknown", [f"## Device check: no device found ({out.strip()[-500:]})"]
+    platform_name, count, kind, version = fields
+    return platform_name, [
+        f"## Device check: {count} x {kind} ({platform_name})",
+        "",
+        f"{version}; XLA_FLAGS={os.environ['XLA_FLAGS']}",
+    ]
 
 
 def main() -> int:
-    global BUDGET_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, help="also write the report here (markdown)")
     parser.add_argument(
         "--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}"
     )
-    parser.add_argument("--tiny", action="store_true", help="a small realistic part (smoke run)")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds in all")
-    parser.add_argument("--trace-dir", type=pathlib.Path, help="where the profiler trace goes")
+    parser.add_argument("--out-dir", type=pathlib.Path, help="report, logs, docs (default $OUT)")
+    parser.add_argument("--tiny", action="store_true", help="small sizes everywhere (smoke run)")
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write the tables into docs/benchmarks.md (default: on an accelerator only)",
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--report", type=pathlib.Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    setup_flags()
+    if args.child:
+        return child(args.child, args.report, args.budget, args.tiny)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
-        parser.error(f"--parts: expected some of {PARTS}, got {unknown}")
-    BUDGET_S = args.budget
-    setup_flags()
-    sys.path.insert(0, str(HERE))
-    bench_lines: list[str] = []
-    if "benches" in parts:
-        benches(bench_lines)  # first: see benches()
-    import jax
-
-    device = jax.devices()[0]
-    lines = [
-        f"## Device check: {jax.device_count()} x {device.device_kind} ({device.platform})",
-        "",
-        f"jax {jax.__version__}; XLA_FLAGS={os.environ['XLA_FLAGS']}",
-    ]
-    trace_dir = args.trace_dir
-    if trace_dir is None and os.environ.get("OUT"):
-        trace_dir = pathlib.Path(os.environ["OUT"]) / "trace"
-    import realistic_check
-
-    runs = {
-        "grid": grid,
-        "timing": timing,
-        "coupled": coupled,
-        "realistic": lambda lines: realistic_check.realistic(
-            lines, tiny=args.tiny, trace_dir=trace_dir, time_left=left
-        ),
-    }
-    for name, part in runs.items():
-        if name not in parts:
+        parser.error(f"--parts: expected some of {tuple(PARTS)}, got {unknown}")
+    out_dir = args.out_dir or (pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    docs = {path: path.read_text() for path in (ROOT / "docs").glob("*.md")}
+    platform_name, head = probe()
+    small = args.tiny or platform_name == "cpu"
+    write = platform_name not in ("cpu", "unknown") if args.write is None else args.write
+    lines: list[str] = []
+    skipped: list[str] = []
+    for part in (p for p in PARTS if p in parts):
+        left = args.budget - (time.monotonic() - start) - RESERVE_S
+        share = min(PARTS[part], left)
+        if share < 20:
+            lines += ["", f"{part}: skipped (time)"]
+            skipped.append(part)
             continue
-        if name == "realistic" and "grid" in parts and left() < 150:
-            lines += ["", "realistic: skipped (time; run it alone with --parts realistic)"]
-            continue
-        try:
-            part(lines)
-        except Exception as error:  # report it and go on: one part's failure is a finding
-            trace = traceback.format_exc(limit=-6)
-            lines += ["", f"{name} failed: {type(error).__name__}: {error}", "",
-                      "```", trace.strip()[-3000:], "```"]  # fmt: skip
-    lines += [*bench_lines, "", f"Total {time.monotonic() - START:.0f} s."]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        args.out.write_text(report + "\n")
+        print(f">> {part} (up to {share:.0f} s)", flush=True)
+        begun = time.monotonic()
+        if part == "tests":
+            lines += tests_part(share, out_dir)
+        elif part in ("benches", "others"):
+            scripts = list(FIRST_BENCHES) if part == "benches" else [
+                p.name for p in sorted(HERE.glob("*_bench.py")) if p.name not in FIRST_BENCHES
+            ]  # fmt: skip
+            lines += bench_part(scripts, share, write, small)
+        else:
+            report = pathlib.Path(tempfile.mkstemp(suffix=".md")[1])
+            cmd = [sys.executable, __file__, "--child", part, "--report", str(report),
+                   "--budget", str(share - 5)] + (["--tiny"] if small else [])  # fmt: skip
+            status, out = run(cmd, share)
+            lines += report.read_text().splitlines() if report.exists() else []
+            if status != 0:  # died or stopped: what it had measured is above
+                said = "stopped after its share of the time" if status is None else f"exit {status}"
+                lines += ["", f"{part}: {said}", "", "```", out.strip()[-2000:], "```"]
+            report.unlink(missing_ok=True)
+        print(f">> {part}: {time.monotonic() - begun:.0f} s", flush=True)
+    lines += ["", f"Total {time.monotonic() - start:.0f} s (budget {args.budget:.0f} s)."]
+    if skipped:
+        lines += ["", f"Not run (time): {', '.join(skipped)}. Next: `./dev device-check --parts "
+                  f"{','.join(skipped)}`."]  # fmt: skip
+    text = "\n".join(head + lines)
+    print(text)
+    if out_dir is not None:
+        (out_dir / "device_check.md").write_text(text + "\n")
+    if write:
+        sys.path.insert(0, str(HERE))
+        import common
+
+        common.write_table("benchmarks.md", MARKER, text)
+    if out_dir is not None:  # the pages the benches and the report wrote, to copy back
+        for path, before in docs.items():
+            if path.read_text() != before:
+                shutil.copy(path, out_dir / path.name)
     return 0
 
 

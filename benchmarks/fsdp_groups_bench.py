@@ -331,11 +331,11 @@ def main() -> None:
             [
                 mode,
                 f"{r['compiled'] / 2**20:.1f} MiB",
-                f"{r['compiled'] / base['compiled']:.2f}x",
+                common.times_cell(common.ratio(r["compiled"], base["compiled"])),
                 f"{r['peak'] / 2**20:.0f} MiB",
-                f"{r['peak'] / max(base['peak'], 1):.2f}x",
+                common.times_cell(common.ratio(r["peak"], base["peak"])),
                 f"{r['train_peak'] / 2**20:.0f} MiB",
-                f"{r['train_peak'] / max(base['train_peak'], 1):.2f}x",
+                common.times_cell(common.ratio(r["train_peak"], base["train_peak"])),
                 same,
             ]
         )

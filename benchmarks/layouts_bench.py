@@ -132,7 +132,7 @@ def main() -> None:
             [
                 r["layout"],
                 f"{mo / 2**20:.1f} / {mp / 2**20:.1f} MiB ({mo / mp:.2f}x)",
-                f"{fo / fp:.3f}x",
+                common.times_cell(common.ratio(fo, fp), 3),
                 common.ratio_cell(t),
                 f"{ao:.2f} / {ap:.2f}",
                 "yes" if r["grads_sharded_like_params"] else "NO",

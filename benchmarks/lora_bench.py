@@ -160,7 +160,7 @@ def measure(mesh, config, repeats: int) -> list[list[str]]:
                 f"{name}: {n} vs {b}",
                 common.ratio_cell(ratios[n]),
                 f"{memory[n] / 2**20:.1f} MiB vs {memory[b] / 2**20:.1f} MiB",
-                f"{memory[n] / memory[b]:.2f}x",
+                common.times_cell(common.ratio(memory[n], memory[b])),
             ]
         )
     return rows

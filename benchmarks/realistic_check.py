@@ -6,11 +6,17 @@ width=768, heads=12, length=512, vocab=50304))`` (124M params, GPT-2 small's
 shape), global batch 32 (at least 8 per device). It reports, on every device
 the check finds (one data axis):
 
-* **time and memory**, bitwise / default: default mode's step vs the bitwise step
-  at the default chunk size (8) and at one chunk per device (the whole share:
-  one chunk program per device per step); median of alternating rounds, the first
-  call (compile) apart; memory per device: default mode's compiled program
-  (arguments + outputs + temp), bitwise mode's peak (``unsplit.testing.bitwise_cost``);
+* **time, first call and memory** of each step against the **user's own jitted
+  step** (``jax.jit(jax.value_and_grad(...))`` of the batch's weighted token loss,
+  each example's dropout from ``unsplit.example_keys``: the same work): default
+  mode, bitwise at the default chunk size (8), at the largest chunk that fits
+  (``unsplit.chunk_size_for(..., step=...)``) and at one chunk per device (the
+  whole share); median of alternating rounds; the first call (trace and compile)
+  apart, as a ratio to the user's; memory per device: a jitted program's compiled
+  memory (arguments + outputs + temp), bitwise mode's peak
+  (``unsplit.testing.bitwise_cost``). **Each row fails alone**: a step refused
+  by the memory check, out of memory or not compiling is reported as failed,
+  with the reason, and the others are measured;
 * **where a bitwise step's time goes**: a ``jax.profiler`` trace of a few bitwise
   steps (at the default chunk size), summarized from the trace file
   (``plugins/profile/*/*.trace.json.gz``): the events with the most time, and the
@@ -28,7 +34,6 @@ import json
 import math
 import pathlib
 import tempfile
-import time
 from collections.abc import Callable
 
 REAL = dict(vocab=50304, length=512, width=768, heads=12, layers=12)
@@ -47,6 +52,8 @@ def realistic(
     import common
     import jax
     import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import unsplit
     from unsplit.models import (
@@ -65,59 +72,88 @@ def realistic(
     n = 1 if tiny else jax.device_count()
     size = 16 if tiny else max(32, 8 * n)
     host = jax.tree.map(np.asarray, init_params(model))
-    batch = jax.tree.map(np.asarray, synthetic_batch(config, size, seed=1))
     key = jax.random.key(0)
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     params = on_mesh(host, mesh)
+    batch = jax.device_put(
+        jax.tree.map(np.asarray, synthetic_batch(config, size, seed=1)),
+        NamedSharding(mesh, P("data")),
+    )
     loss = token_loss(model)
     count = sum(np.size(x) for x in jax.tree.leaves(host))
     default_chunk = min(8, size & -size)
     per_device = size // n
-    steps = {"default": unsplit.value_and_grad(loss, weighted=True, mesh=mesh)}
-    steps[f"bitwise, chunk {default_chunk} (default)"] = unsplit.value_and_grad(
-        loss, weighted=True, mesh=mesh, bitwise=True
-    )
-    if per_device != default_chunk and time_left() > 240:
-        steps[f"bitwise, chunk {per_device} (one per device)"] = unsplit.value_and_grad(
-            loss, weighted=True, mesh=mesh, bitwise=True, chunk_size=per_device
+
+    def jitted(fn) -> common.Candidate:
+        return common.Candidate(
+            call=lambda: fn(params, batch, key),
+            memory=lambda: common.compiled_bytes(fn.lower(params, batch, key).compile()),
         )
+
+    def ours(chunk_size=None, bitwise=True) -> common.Candidate:
+        step = unsplit.value_and_grad(
+            loss, weighted=True, mesh=mesh, bitwise=bitwise, chunk_size=chunk_size
+        )
+        return common.Candidate(
+            call=lambda: step(params, batch, key),
+            memory=lambda: common.step_memory(step, params, batch, key),
+        )
+
+    def fitting() -> common.Candidate:
+        probe = unsplit.value_and_grad(loss, weighted=True, mesh=mesh, bitwise=True)
+        chunk = unsplit.chunk_size_for(size, n, step=probe, params=params, batch=batch, key=key)
+        fitted.append(chunk)
+        return ours(chunk)
+
+    fitted: list[int] = []
+    rows = {
+        common.PLAIN: lambda: jitted(common.plain_step(loss, size)),
+        "default mode": lambda: ours(bitwise=False),
+        f"bitwise, chunk {default_chunk} (default)": lambda: ours(),
+        "bitwise, the largest chunk that fits (`chunk_size_for(..., step=...)`)": fitting,
+    }
+    if per_device != default_chunk:
+        rows[f"bitwise, chunk {per_device} (one per device)"] = lambda: ours(per_device)
     lines += ["", f"### Realistic size: {'TINY smoke run, ' if tiny else ''}{config}", "",
               f"{count / 1e6:.1f}M params, global batch {size} on {n} x "
               f"{jax.devices()[0].device_kind}; token loss, dropout 0.1 and attention dropout "
               "0.1.", ""]  # fmt: skip
-    first, memory = {}, {}
-    for name, step in steps.items():
-        start = time.perf_counter()
-        common.block(step(params, batch, key))
-        first[name] = time.perf_counter() - start
-        memory[name] = common.step_memory(step, params, batch, key)
-    calls = {name: (lambda s=step: s(params, batch, key)) for name, step in steps.items()}
-    results = common.compare(calls, baseline="default", repeats=3 if tiny else 7, inner=1, warmup=1)
-    lines += ["| step | time / default: median (min-max) | median time | first call (compile) "
-              "| memory per device | memory / default |", "|---|---|---|---|---|---|"]  # fmt: skip
-    for r in results:
-        lines.append(
-            f"| {r.name} | {common.ratio_cell(r)} | {r.median_s * 1e3:.1f} ms | "
-            f"{first[r.name]:.1f} s | {memory[r.name] / 2**20:.0f} MiB | "
-            f"{memory[r.name] / memory['default']:.2f}x |"
-        )
-    if per_device != default_chunk and len(steps) == 2:
-        lines.append(f"| bitwise, chunk {per_device} (one per device) | skipped (time) | | | | |")
+    mark = len(lines)  # each row's first call as it ends, until the table replaces them
+    table = common.measure_rows(
+        rows, baseline=common.PLAIN, repeats=3 if tiny else 7, time_left=time_left, row_s=90,
+        progress=lines.append,
+    )  # fmt: skip
+    del lines[mark:]
+    lines += table
+    if fitted:
+        lines += ["", f"`chunk_size_for(..., step=...)` picked chunk {fitted[0]} (of the "
+                  f"divisors of {per_device}) with the memory check's margin."]  # fmt: skip
     if time_left() < 60:
         lines += ["", "Profile: skipped (time)."]
         return
-    bitwise = steps[f"bitwise, chunk {default_chunk} (default)"]
+    bitwise = unsplit.value_and_grad(loss, weighted=True, mesh=mesh, bitwise=True)
+    lines += profile(
+        lambda: bitwise(params, batch, key), f"a bitwise step (chunk {default_chunk})", trace_dir
+    )
+
+
+def profile(call: Callable[[], object], what: str, trace_dir: pathlib.Path | None = None):
+    """Markdown lines: where ``call``'s time goes, from a ``jax.profiler`` trace of a few
+    calls (its first call, the compile, comes before the trace)."""
+    import common
+    import jax
+
     trace_dir = trace_dir or pathlib.Path(tempfile.mkdtemp(prefix="unsplit_trace_"))
     try:
+        common.block(call())
         with jax.profiler.trace(str(trace_dir)):
             for _ in range(TRACE_STEPS):
-                common.block(bitwise(params, batch, key))
+                common.block(call())
     except Exception as error:  # a profiler the machine lacks (CUPTI) is a finding, not a stop
-        lines += ["", f"Profile failed: {type(error).__name__}: {error}"]
-        return
-    lines += ["", f"**Where a bitwise step's time goes** (chunk {default_chunk}; a "
-              f"`jax.profiler` trace of {TRACE_STEPS} steps in `{trace_dir}`; times per step):",
-              "", *trace_summary(trace_dir, TRACE_STEPS)]  # fmt: skip
+        return ["", f"Profile of {what}: {common.failure(error)}"]
+    return ["", f"**Where {what}'s time goes** (a `jax.profiler` trace of {TRACE_STEPS} calls "
+            f"in `{trace_dir}`; times per call):", "",
+            *trace_summary(trace_dir, TRACE_STEPS)]  # fmt: skip
 
 
 def trace_summary(trace_dir: pathlib.Path, steps: int, top: int = 15) -> list[str]:

@@ -155,7 +155,7 @@ def run(setup: Setup) -> tuple[list[list[str]], str]:
                 common.ratio_cell(r),
                 f"{per_example:.2f}x",
                 f"{memory[s.name] / 2**20:.1f} MiB",
-                f"{memory[s.name] / memory[ref.name]:.2f}x",
+                common.times_cell(common.ratio(memory[s.name], memory[ref.name])),
             ]
         )
     c = setup.config

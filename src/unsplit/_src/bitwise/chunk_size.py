@@ -14,15 +14,36 @@ should agree must share it, and each of them must accept it:
 The valid chunks are then the multiples of ``G`` dividing the greatest common
 divisor of the shares; :func:`chunk_size_for` returns the largest (or the
 largest not above ``at_most``).
+
+Given a bitwise step and its inputs, it also keeps to the largest that **fits**:
+a candidate's chunk program is compiled (as the step's first call compiles it,
+and cached for it) and fits when the memory check
+(:mod:`unsplit._src.step.memory`) accepts it with a margin left for what the
+step holds beside it while it runs: the partial sums of the canonical tree
+(``floor(log2(chunks per group))`` more sums vectors, at the listed schedule
+with the most chunks per group) and :data:`HEADROOM` of the free memory (the
+allocator's fragmentation). Candidates are tried largest first, then by
+bisection: a few compiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
+
+import jax
+
+from unsplit._src import frozen as frozen_lib
+from unsplit._src.bitwise.cost import _held_sums
+from unsplit._src.step import memory
+
+#: The share of a device's free memory a fitting chunk leaves unused (the allocator's
+#: fragmentation, buffers XLA's analysis does not count).
+HEADROOM = 0.05
 
 
 def chunk_size_for(
@@ -31,8 +52,13 @@ def chunk_size_for(
     *,
     group_devices: int = 1,
     at_most: int | None = None,
+    step: Any = None,
+    params: Any = None,
+    batch: Any = None,
+    key: jax.Array | None = None,
+    frozen: Any = None,
 ) -> int:
-    """The largest bitwise ``chunk_size`` that every listed schedule accepts.
+    """The largest bitwise ``chunk_size`` that every listed schedule accepts (and that fits).
 
     Pass the result as ``unsplit.value_and_grad(..., bitwise=True,
     chunk_size=...)`` on every schedule: the runs then agree bit for bit
@@ -48,15 +74,27 @@ def chunk_size_for(
             chunk axes: every chunk is split over them. The same for every
             schedule (another number runs another program, other bits).
         at_most: the largest chunk size to consider (activation memory).
+        step: a bitwise step (``value_and_grad(..., bitwise=True)``, a
+            per-example loss), with ``params``, ``batch`` (the global batch of
+            ``global_batch`` examples), ``key`` (and ``frozen``) as it will be called: the
+            chunk must then also fit its devices' free memory, with the margin
+            the step needs beside its chunk program (see the module). Its own
+            ``chunk_size`` is ignored; the candidates' programs are compiled
+            (a few compiles) and kept for a step of the same loss function.
 
     Returns:
         The largest chunk size, a multiple of ``group_devices`` dividing every
-        group's share of the batch, not above ``at_most``.
+        group's share of the batch, not above ``at_most`` and, with ``step``,
+        fitting the devices' memory (on a backend that reports no free memory,
+        unchecked: as the memory check).
 
     Raises:
         ValueError: a device count does not divide the batch or is not a
-            multiple of ``group_devices``, or ``at_most < group_devices``.
-        TypeError: an argument is not a positive int.
+            multiple of ``group_devices``, or ``at_most < group_devices``; with
+            ``step``, not even the smallest chunk fits, or the batch is not
+            ``global_batch`` examples.
+        TypeError: an argument is not a positive int; ``step`` is not a
+            bitwise step of a per-example loss, or its inputs are missing.
 
     Example:
         >>> import unsplit
@@ -66,8 +104,16 @@ def chunk_size_for(
         (64, 16)
         >>> unsplit.chunk_size_for(96, (4, 8), group_devices=4)  # 1 or 2 groups of 4
         48
+
+        The largest that also fits the device's memory (here all of them do):
+
+        >>> import jax, jax.numpy as jnp
+        >>> step = unsplit.value_and_grad(lambda w, x, key: jnp.sum(w * x), bitwise=True)
+        >>> unsplit.chunk_size_for(32, 1, step=step, params=jnp.ones(4), batch=jnp.ones((32, 4)),
+        ...                        key=jax.random.key(0))
+        32
     """
-    batch = _positive("global_batch", global_batch)
+    size = _positive("global_batch", global_batch)
     group = _positive("group_devices", group_devices)
     devices = _device_counts(batch_devices)
     cap = None if at_most is None else _positive("at_most", at_most)
@@ -80,15 +126,15 @@ def chunk_size_for(
                 f"batch_devices={devices}, {d} is not. Fix: drop {d}, or list counts like "
                 f"{tuple(group * k for k in (1, 2, 4))}."
             )
-        if batch % d:
+        if size % d:
             raise ValueError(
                 f"every batch device count must divide the global batch (each device gets "
-                f"whole examples); got global_batch={batch}, batch_devices={devices}: {d} does "
-                f"not divide {batch}. Fix: drop {d}, or use a global batch that is a multiple "
+                f"whole examples); got global_batch={size}, batch_devices={devices}: {d} does "
+                f"not divide {size}. Fix: drop {d}, or use a global batch that is a multiple "
                 f"of {math.lcm(*devices)}."
             )
-        shares.append(batch // (d // group))
-    # Every share is group * (batch // d), so the multiples of group dividing their gcd
+        shares.append(size // (d // group))
+    # Every share is group * (size // d), so the multiples of group dividing their gcd
     # always include group itself: only at_most can leave no chunk.
     common = functools.reduce(math.gcd, shares)
     fits = [c for c in range(group, common + 1, group) if common % c == 0]
@@ -99,7 +145,110 @@ def chunk_size_for(
             f"at_most={cap}; got none. Fix: at_most >= {group} (or smaller groups)."
         )
     fits = [c for c in fits if cap is None or c <= cap]
-    return fits[-1]
+    if step is None:
+        return fits[-1]
+    held = {c: max(_held(size // c, share // c) for share in shares) for c in fits}
+    return _largest_that_fits(step, (params, batch, key), frozen, batch_size=size, fits=held)
+
+
+def _held(chunks: int, per_group: int) -> int:
+    """The most partial sums a group holds beside its chunk program's output, at the
+    schedule whose groups run ``per_group`` of the step's ``chunks`` chunks each."""
+    return max(_held_sums(g * per_group, per_group) for g in range(chunks // per_group)) - 1
+
+
+def _largest_that_fits(step, inputs: tuple, frozen, *, batch_size: int, fits: dict) -> int:
+    """The largest chunk of ``fits`` (chunk -> the partial sums held beside it) whose program
+    the memory check accepts with the step's margin: the largest first, then bisection."""
+    engine = getattr(step, "_engine", None)
+    if getattr(engine, "chunk", None) is None or getattr(
+        getattr(engine, "spec", None), "coupled", True
+    ):
+        raise TypeError(
+            f"chunk_size_for(step=...) compiles a bitwise step's chunk programs; got "
+            f"step={step!r}. Fix: pass a step made with unsplit.value_and_grad(loss_fn, "
+            "bitwise=True) of a per-example loss (a batch_loss step runs other programs: "
+            "pick its chunk with at_most=...)."
+        )
+    missing = [n for n, v in zip(("params", "batch", "key"), inputs, strict=True) if v is None]
+    if missing:
+        raise TypeError(
+            f"chunk_size_for(step=...) compiles the step for its inputs; got no {missing}. "
+            "Fix: pass params=, batch= and key= as you will call the step."
+        )
+    params, batch, key = inputs
+    inputs = (frozen_lib.combine(params, frozen), batch, key)  # as the step combines them
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    if step.group_size is None and rows != batch_size:
+        raise ValueError(
+            f"chunk_size_for(global_batch={batch_size}, step=...) needs the global batch the "
+            f"step will get; got a batch of {rows} examples. Fix: pass that batch (or "
+            f"global_batch={rows})."
+        )
+    candidates = sorted(fits)
+    verdicts = {}
+
+    def ok(chunk: int) -> bool:
+        verdicts[chunk] = _verdict(step, inputs, chunk, fits[chunk])
+        return verdicts[chunk] is None
+
+    if ok(candidates[-1]):
+        return candidates[-1]
+    low, high = 0, len(candidates) - 1  # candidates[high] does not fit
+    best = None
+    while low < high:
+        mid = (low + high) // 2
+        if ok(candidates[mid]):
+            best, low = candidates[mid], mid + 1
+        else:
+            high = mid
+    if best is None:
+        smallest = candidates[0]
+        raise ValueError(
+            f"no chunk size fits the devices' memory: the smallest, chunk_size={smallest}, "
+            f"{verdicts[smallest]}. Fix: chunk_axes=... (FSDP groups: the params sharded over "
+            "a group that computes each chunk together), more devices for the batch, or a "
+            "smaller model or example."
+        )
+    return best
+
+
+def _verdict(step, inputs: tuple, chunk: int, held: int) -> str | None:
+    """``None`` if ``step``'s chunk program at ``chunk`` fits with the margin, else why not.
+
+    The program is compiled as the step's first call compiles it (and cached for the
+    steps of this loss function), after the call's inputs are placed, so the free
+    memory is what the memory check will see.
+    """
+    params, batch, key = inputs  # params: with the frozen inputs, if any
+    options = step.options
+    bitwise = dataclasses.replace(options.bitwise, chunk_size=chunk)
+    probe = type(step)(step.loss_fn, dataclasses.replace(options, bitwise=bitwise))
+    engine = probe._engine
+    grouped, _ = probe._group(batch, None)
+    state, placed = engine.prepare(params, grouped, key)
+    with jax.set_mesh(None):
+        inputs = state._inputs(placed, engine.place_batch(grouped), None, key)
+        try:
+            state._compile(inputs)
+        except memory.OutOfMemoryError as error:
+            return str(error).split("; it was not run")[0].removeprefix("RESOURCE_EXHAUSTED: ")
+        analyses = [x.memory_analysis() for x in state.executables.values()]
+        needed = max(memory.needed_bytes(x) or 0 for x in state.executables.values())
+        sums = max(int(a.output_size_in_bytes) for a in analyses)
+        devices = [d for g in state.local_groups for d in state.plan.group_devices(g).flat]
+        free = [b for d in devices if (b := memory.available_bytes(d)) is not None]
+    if not free or not memory.enabled():
+        return None
+    margin = held * sums + int(HEADROOM * min(free))
+    if needed + margin <= min(free):
+        return None
+    return (
+        f"needs {memory.size_text(needed)} per device for its chunk program and "
+        f"{memory.size_text(margin)} beside it ({held} partial sums of "
+        f"{memory.size_text(sums)} and {HEADROOM:.0%} headroom), and "
+        f"{memory.size_text(min(free))} is free"
+    )
 
 
 def _positive(name: str, value: Any) -> int:

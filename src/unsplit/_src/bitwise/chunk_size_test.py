@@ -13,7 +13,9 @@ from jax.sharding import AxisType, Mesh
 
 import unsplit
 from unsplit._src import test_util as testing
+from unsplit._src.bitwise import chunk_size
 from unsplit._src.bitwise.chunk_size import chunk_size_for
+from unsplit._src.step import memory
 
 AUTO = AxisType.Auto
 
@@ -140,3 +142,141 @@ def test_the_chunk_gives_the_same_bits_on_every_listed_device_count(size, device
     # A larger chunk than the one returned fails on the schedule with the smallest share.
     with pytest.raises(ValueError, match="whole number of chunks"):
         bitwise_step(batch, 2 * chunk, devices[-1] // group, group)
+
+
+# ---- with a step: the largest chunk that fits the devices' memory ----
+
+WIDE = 1024  # each example's activations: (64, WIDE) floats, so a chunk's grow with it
+
+
+def wide_loss():
+    """A new loss function each time: its compiled programs are its own (bitwise mode keeps
+    them per loss function, and checks a program's memory when it compiles it)."""
+
+    def loss(w, x, key):
+        hidden = jnp.tanh(x[:, None] * w[None, :])
+        return jnp.sum(hidden * jax.random.uniform(key, hidden.shape))
+
+    return loss
+
+
+WIDE_INPUTS = (jnp.ones(WIDE), jnp.ones((32, 64)), jax.random.key(0))
+
+
+@pytest.fixture
+def needed(monkeypatch):
+    """chunk -> what the memory check reads of its program (``memory.needed_bytes``)."""
+    seen = []
+    check = memory.check
+
+    def recording(compiled, fix, devices=None):
+        seen.append(memory.needed_bytes(compiled))
+        return check(compiled, fix, devices)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(memory, "check", recording)
+        for c in (8, 16, 32):
+            unsplit.value_and_grad(wide_loss(), bitwise=True, chunk_size=c)(*WIDE_INPUTS)
+    assert len(seen) == 3 and seen[0] < seen[1] < seen[2], seen  # activations grow
+    return dict(zip((8, 16, 32), seen, strict=True))
+
+
+def free_memory(monkeypatch, nbytes: int) -> None:
+    monkeypatch.setattr(memory, "available_bytes", lambda device: nbytes)
+
+
+def fitted(loss=None, **kwargs) -> int:
+    step = unsplit.value_and_grad(loss or wide_loss(), bitwise=True)
+    w, x, key = WIDE_INPUTS
+    return chunk_size_for(32, 1, step=step, params=w, batch=x, key=key, **kwargs)
+
+
+def test_a_chunk_too_big_for_the_memory_check_is_not_picked(monkeypatch, needed):
+    # The arithmetic alone picks 32 (one chunk), which the memory check refuses here.
+    free_memory(monkeypatch, needed[32] - 1)
+    with pytest.raises(MemoryError, match="it was not run"):
+        unsplit.value_and_grad(wide_loss(), bitwise=True, chunk_size=32)(*WIDE_INPUTS)
+    loss = wide_loss()
+    chunk = fitted(loss)
+    assert chunk == 16
+    unsplit.value_and_grad(loss, bitwise=True, chunk_size=chunk)(*WIDE_INPUTS)  # runs
+
+
+def test_the_chunk_leaves_the_margin_the_step_needs_beside_its_program(monkeypatch, needed):
+    # Chunk 32 would pass the check alone (its program fits, barely), but not with the
+    # headroom; chunk 16 leaves its partial sum and the headroom: picked.
+    free = needed[32] + 1
+    assert needed[32] + int(chunk_size.HEADROOM * free) > free
+    free_memory(monkeypatch, free)
+    assert fitted() == 16
+    # With room for both, the largest; capped by at_most as without a step.
+    free_memory(monkeypatch, 2 * needed[32])
+    assert fitted() == 32
+    assert fitted(at_most=8) == 8
+
+
+def test_the_fitting_chunk_is_found_in_few_compiles(monkeypatch, needed):
+    free_memory(monkeypatch, needed[8] + needed[8] // 2)
+    probed = []
+    verdict = chunk_size._verdict
+    monkeypatch.setattr(chunk_size, "_verdict", lambda *a: probed.append(a[2]) or verdict(*a))
+    assert fitted() == 8
+    assert probed == [32, 4, 16, 8]  # the largest, then bisection over 1..16
+
+
+def test_when_no_chunk_fits_the_error_says_what_was_needed_and_the_fix(monkeypatch, needed):
+    free_memory(monkeypatch, 1024)
+    with pytest.raises(
+        ValueError, match=r"no chunk size fits.*chunk_size=1, .*needs .*free.*Fix: chunk_axes"
+    ):
+        fitted()
+
+
+def test_the_memory_check_turned_off_is_not_applied(monkeypatch, needed):
+    free_memory(monkeypatch, 1024)
+    monkeypatch.setenv("UNSPLIT_MEMORY_CHECK", "0")
+    assert fitted() == 32
+
+
+@pytest.mark.parametrize(
+    "step,kwargs,error,match",
+    [
+        (dict(), {}, TypeError, "compiles a bitwise step's chunk programs"),
+        (dict(bitwise=True, batch_loss=lambda p, f: jnp.sum(f)), {}, TypeError, "batch_loss"),
+        (dict(bitwise=True), dict(params=None), TypeError, r"got no \['params'\]"),
+        (dict(bitwise=True), dict(batch=jnp.ones((16, 64))), ValueError, "batch of 16 examples"),
+    ],
+)
+def test_step_errors_say_what_was_expected_got_and_the_fix(step, kwargs, error, match):
+    w, x, key = WIDE_INPUTS
+    inputs = {"params": w, "batch": x, "key": key, **kwargs}
+    made = unsplit.value_and_grad(wide_loss(), **step)
+    with pytest.raises(error, match=match) as info:
+        chunk_size_for(32, 1, step=made, **inputs)
+    assert "Fix:" in str(info.value)
+
+
+def test_the_picked_chunks_program_is_kept_for_the_step(monkeypatch, needed):
+    free_memory(monkeypatch, needed[16] + needed[16] // 2)
+    loss = wide_loss()
+    chunk = fitted(loss)
+    assert chunk == 16
+    checked = []
+    monkeypatch.setattr(memory, "check", lambda *args, **kwargs: checked.append(args))
+    step = unsplit.value_and_grad(loss, bitwise=True, chunk_size=chunk)
+    jax.block_until_ready(step(*WIDE_INPUTS))
+    assert checked == []  # its chunk program was compiled (and checked) by chunk_size_for
+
+
+def test_a_step_with_frozen_inputs_is_fitted_with_them(monkeypatch, needed):
+    def loss(w, x, key, frozen):  # frozen: a scale, never differentiated
+        hidden = jnp.tanh(x[:, None] * (w * frozen)[None, :])
+        return jnp.sum(hidden * jax.random.uniform(key, hidden.shape))
+
+    free_memory(monkeypatch, needed[32] - 1)
+    w, x, key = WIDE_INPUTS
+    step = unsplit.value_and_grad(loss, bitwise=True)
+    frozen = jnp.full(WIDE, 0.5)
+    chunk = chunk_size_for(32, 1, step=step, params=w, batch=x, key=key, frozen=frozen)
+    assert chunk == 16
+    unsplit.value_and_grad(loss, bitwise=True, chunk_size=chunk)(w, x, key, frozen=frozen)

@@ -35,7 +35,6 @@ the group.
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Any
 
 import jax
@@ -48,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from unsplit._src import frozen as frozen_lib
 from unsplit._src import partition
 from unsplit._src.audit import state as audit_state
-from unsplit._src.step import jaxpr_eval, state_guard
+from unsplit._src.step import jaxpr_eval, settings, state_guard
 
 _CONSTRAINTS = ("sharding_constraint", "reshard", "mesh_cast")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -152,11 +151,12 @@ def _user_trace(loss_fn, treedef, leaves, mask, user_mesh):
 def _outside_manual(fn):
     """``fn()``, in a thread of its own when called inside a ``shard_map`` region (an FSDP
     group's chunk program is manual over the chunk axes): the user's mesh cannot be
-    entered there, and JAX's trace and mesh contexts are per thread."""
+    entered there, and JAX's trace and mesh contexts are per thread. The caller's other
+    settings (``jax.default_matmul_precision(...)`` around the step) go along: the
+    loss's jaxpr is traced there (:mod:`unsplit._src.step.settings`)."""
     if AxisType.Manual not in tuple(jax.sharding.get_abstract_mesh().axis_types):
         return fn()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(fn).result()
+    return settings.in_thread(fn)
 
 
 def _user_aval(x: Any, user_mesh) -> jax.ShapeDtypeStruct:

@@ -131,9 +131,9 @@ def check(compiled: Any, fix: str, devices: Iterable[Any] | None = None) -> None
         available = available_bytes(device)
         if available is not None and needed > available:
             raise OutOfMemoryError(
-                f"RESOURCE_EXHAUSTED: unsplit: the step's program needs {_size(needed)} on "
+                f"RESOURCE_EXHAUSTED: unsplit: the step's program needs {size_text(needed)} on "
                 f"{device} (XLA's memory analysis: outputs + temporaries - donated), and the "
-                f"device has {_size(available)} free; it was not run. {fix} "
+                f"device has {size_text(available)} free; it was not run. {fix} "
                 f"(To skip this check: {ENV}=0.)"
             )
 
@@ -159,7 +159,8 @@ def bitwise_fix(chunk_size: int | None) -> str:
     )
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """Bytes for a message: ``1.50 GiB (1610612736 bytes)``."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit} ({n} bytes)"
