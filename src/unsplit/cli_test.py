@@ -410,3 +410,58 @@ def test_version_prints_the_package_version(capsys):
         cli.main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"unsplit {unsplit.__version__}"
+
+
+_REPLAY_FACTORY = '''
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import unsplit
+
+SHIFT = {shift}
+
+def loss_fn(p, x, key):
+    h = jax.nn.gelu(x @ p["w1"])
+    h = jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h / 0.9, 0.0)
+    return jnp.sum((h @ p["w2"] - x) ** 2)
+
+def make(mesh):
+    rng = np.random.default_rng(0)
+    params = {{"w1": rng.normal(size=(8, 32)).astype(np.float32) + SHIFT,
+              "w2": rng.normal(size=(32, 8)).astype(np.float32) / 4}}
+    if mesh is not None:
+        specs = {{"w1": P(None, "model"), "w2": P("model", None)}}
+        params = {{k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}}
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+    step = unsplit.value_and_grad(loss_fn, mesh=mesh, bitwise=unsplit.Bitwise(chunk_size=4))
+    return dict(step=step, params=params, batch=x, key=jax.random.key(1), step_number=5)
+'''
+
+
+def test_replay_records_on_one_layout_and_compares_on_another(tmp_path, capsys):
+    factory = tmp_path / "train_a.py"
+    factory.write_text(_REPLAY_FACTORY.format(shift=0.0))
+    record = tmp_path / "step5.json"
+    assert cli.main(["replay", f"{factory}:make", "--mesh", "data=4,model=2",
+                     "--save", str(record)]) == 0  # fmt: skip
+    assert "recorded" in capsys.readouterr().out
+    assert cli.main(["replay", f"{factory}:make", "--mesh", "data=1,model=8",
+                     "--against", str(record)]) == 0  # fmt: skip
+    assert "every leaf is bit-identical" in capsys.readouterr().out
+    other = tmp_path / "train_b.py"
+    other.write_text(_REPLAY_FACTORY.format(shift=1.0))
+    assert cli.main(["replay", f"{other}:make", "--mesh", "data=2,model=4",
+                     "--against", str(record)]) == 1  # fmt: skip
+    out = capsys.readouterr().out
+    assert "DIFF  ['inputs']['params']['w1']" in out and "not the recorded step" in out
+
+
+@pytest.mark.parametrize(
+    ("mesh", "message"),
+    [("data:4", "AXIS=SIZE pairs"), ("data=64", "needs 64 devices; this process has 8")],
+)
+def test_replay_refuses_a_bad_mesh_with_the_fix(tmp_path, capsys, mesh, message):
+    factory = tmp_path / "train_c.py"
+    factory.write_text(_REPLAY_FACTORY.format(shift=0.0))
+    assert cli.main(["replay", f"{factory}:make", "--mesh", mesh, "--save", "x.json"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Fix:" in err

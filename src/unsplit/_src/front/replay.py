@@ -198,3 +198,52 @@ def replay_step(
             want, have = recorded.get(name, "-"), got.get(name, "-")
             rows.append((name, want, have, want == have))
     return ReplayReport(rows, against.layout, _layout(step))
+
+
+def parse_mesh(text: str | None) -> jax.sharding.Mesh | None:
+    """``"data=4,model=2"`` as a mesh over this process's first devices (Auto axes); None
+    for no text (the step then runs without a mesh)."""
+    if not text:
+        return None
+    try:
+        pairs = [part.split("=") for part in text.split(",")]
+        names, sizes = zip(*((n.strip(), int(s)) for n, s in pairs), strict=True)
+    except ValueError:
+        raise ValueError(
+            f"--mesh expects AXIS=SIZE pairs separated by commas; got {text!r}. Fix: e.g. "
+            "--mesh data=4,model=2."
+        ) from None
+    count = int(np.prod(sizes))
+    if count > len(jax.devices()):
+        raise ValueError(
+            f"--mesh {text} needs {count} devices; this process has {len(jax.devices())}. Fix: "
+            "a smaller mesh (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N)."
+        )
+    return jax.make_mesh(
+        sizes, names, devices=jax.devices()[:count],
+        axis_types=(jax.sharding.AxisType.Auto,) * len(names),
+    )  # fmt: skip
+
+
+def run_factory(
+    factory, mesh_text: str | None, *, save: str | None, against: str | None
+) -> tuple[str, bool]:
+    """The CLI's replay: ``factory(mesh)`` builds the step and its inputs on ``--mesh``;
+    records them to ``save``, or replays them against the record in ``against``. Returns
+    the text to print (a :class:`ReplayReport`, or where the record went) and whether
+    every leaf matched (True for a record)."""
+    made = factory(parse_mesh(mesh_text))
+    missing = {"step", "params", "batch", "key"} - set(made)
+    if missing:
+        raise ValueError(
+            f"the factory returned a dict without {sorted(missing)}. Fix: return "
+            "dict(step=..., params=..., batch=..., key=...) (and ids=, frozen=, step_number=)."
+        )
+    args = (made["step"], made["params"], made["batch"], made["key"], made.get("ids"))
+    if save is not None:
+        rec = record_step(*args, frozen=made.get("frozen"), step_number=made.get("step_number"))
+        rec.save(save)
+        return f"recorded {len(rec.outputs)} output leaves on {rec.layout} to {save}", True
+    assert against is not None
+    report = replay_step(*args, frozen=made.get("frozen"), against=StepRecord.load(against))
+    return str(report), report.match
