@@ -33,6 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import unsplit
+
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
 

@@ -412,7 +412,7 @@ def test_version_prints_the_package_version(capsys):
     assert capsys.readouterr().out.strip() == f"unsplit {unsplit.__version__}"
 
 
-_REPLAY_FACTORY = '''
+_REPLAY_FACTORY = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import unsplit
@@ -434,7 +434,7 @@ def make(mesh):
     x = rng.normal(size=(16, 8)).astype(np.float32)
     step = unsplit.value_and_grad(loss_fn, mesh=mesh, bitwise=unsplit.Bitwise(chunk_size=4))
     return dict(step=step, params=params, batch=x, key=jax.random.key(1), step_number=5)
-'''
+"""
 
 
 def test_replay_records_on_one_layout_and_compares_on_another(tmp_path, capsys):

@@ -133,6 +133,9 @@ def bitwise_step(batch, chunk, data, group):
         (24, (2, 4, 8), 2),  # groups of 2: shares 24, 12 and 6: chunk 6
     ],
 )
+@pytest.mark.filterwarnings(
+    "ignore::unsplit._src.bitwise.schedule.GroupSizeWarning"
+)  # 1 row per device
 def test_the_chunk_gives_the_same_bits_on_every_listed_device_count(size, devices, group):
     chunk = chunk_size_for(size, devices, group_devices=group)
     batch = mlp_batch(size)

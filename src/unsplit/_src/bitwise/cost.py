@@ -39,6 +39,7 @@ import numpy as np
 from unsplit._src import frozen as frozen_lib
 from unsplit._src import links
 from unsplit._src.bitwise import reduce, traffic
+from unsplit._src.bitwise.blocked import paired
 from unsplit._src.bitwise.step import BitwiseStep
 
 _COLLECTIVE = re.compile(
@@ -120,6 +121,10 @@ def _compiled(step: Any, params, batch, key, ids, frozen, what: str) -> tuple[An
     # The step's own checks: frozen= given exactly when the loss takes it (the arity error).
     words = step._inputs.check(params, grouped, key, grouped_ids, frozen, audit=False)
     state, placed = engine.prepare(frozen_lib.combine(params, frozen), grouped, key)
+    if isinstance(state, paired.Paired):  # a degree-1 model layout computed at degree 2
+        placed, grouped = state.moved(placed, grouped)
+        engine = state.inner
+        state, placed = engine.prepare(placed, grouped, key)
     if not state.executables:  # compiled for these inputs (placed as a call places them)
         with jax.set_mesh(None):
             state._compile(state._inputs(placed, engine.place_batch(grouped), words, key))

@@ -19,6 +19,9 @@ def _loss(p, example, key):
     return jnp.mean(jnp.tanh(jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
 
 
+@pytest.mark.filterwarnings(
+    "ignore::unsplit._src.bitwise.schedule.GroupSizeWarning"
+)  # 1 row per device
 @pytest.mark.parametrize("sizes", [(1, 2, 2, 2), (2, 2, 1, 2)], ids=["seq2", "data2"])
 def test_the_formulas_match_bitwise_cost(sizes):
     layout = scale.Layout(*sizes)

@@ -76,13 +76,17 @@ def warn_gathered(plan: Plan, batch_axes: tuple, chunk_axes: tuple, warned: set[
     )
 
 
+class GroupSizeWarning(UserWarning):
+    """An FSDP group whose bits are its own size's only (it cannot share the row blocks)."""
+
+
 def warn_group_size(plan: Plan, warned: set[str]) -> None:
     """Once (``warned``): an FSDP group whose devices do not divide the chunk's row blocks
     (its bits are then those of groups of its own size only)."""
     if not plan.chunk_axes or "group size" in warned:
         return
     devices = math.prod(plan.compute.shape[a] for a in plan.chunk_axes)
-    count = block_count(max(plan.chunk // 2, 1), plan.canonical_blocks)
+    count = block_count(plan.chunk, plan.canonical_blocks)
     if count % devices == 0:
         return
     warned.add("group size")
@@ -94,6 +98,7 @@ def warn_group_size(plan: Plan, warned: set[str]) -> None:
         f"{plan.chunk // devices} row(s) as one block, and the bits match groups of "
         f"{devices} devices only. Fix: chunk_size={fix} (or a multiple: {devices} devices "
         f"then share its blocks){'' if devices <= plan.canonical_blocks else f' and blocks={devices}'}.",
+        GroupSizeWarning,
         stacklevel=5,
     )
 

@@ -337,7 +337,15 @@ def _group_program(fn, gmesh, args, in_specs, out_specs, out_shardings) -> tuple
         return jax.jit(fn, out_shardings=out_shardings), None
     try:
         return fixed_order_update.program(fn, gmesh, args, in_specs, out_specs), None
-    except (fixed_order_update.Unsupported, fixed_order_update.BlockError) as e:
+    except fixed_order_update.BlockError as e:
+        warnings.warn(
+            f"bitwise: in the optimizer update, {e} It runs as XLA partitions it: its sums "
+            "across the group's devices are XLA's.",
+            FixedOrderFallback,
+            stacklevel=4,
+        )
+        return jax.jit(fn, out_shardings=out_shardings), str(e)
+    except fixed_order_update.Unsupported as e:
         warnings.warn(
             f"bitwise: the optimizer update has {e}, which unsplit does not run in a fixed "
             "order across an FSDP group; this update's sums across the group's devices are "

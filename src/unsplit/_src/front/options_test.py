@@ -31,7 +31,7 @@ def test_bitwise_object_and_keywords_give_the_same_bits():
     assert unsplit.testing.bits_equal(a, b)
     step = unsplit.value_and_grad(loss_fn, bitwise=unsplit.Bitwise(chunk_size=8))
     assert step.bitwise is True and step.chunk_size == 8
-    assert "bitwise=Bitwise(chunk_size=8, chunk_axes=None)" in repr(step)
+    assert "bitwise=Bitwise(chunk_size=8, chunk_axes=None, blocks=8)" in repr(step)
 
 
 def test_both_spellings_at_once_are_refused_with_the_fix():

@@ -10,7 +10,7 @@ from unsplit._src import test_util as tu
 from unsplit._src.bitwise.blocked import chunk
 from unsplit._src.models import transformer as tf
 
-CONFIG = tf.TransformerConfig(vocab=32, length=8, width=16, heads=8, layers=1)
+CONFIG = tf.TransformerConfig(vocab=32, length=8, width=32, heads=16, layers=1)
 MODEL = tf.Transformer(CONFIG)
 PARAMS = tf.init_params(MODEL)
 BATCH = jax.tree.map(np.asarray, tf.synthetic_batch(CONFIG, 16, seed=2))

@@ -260,6 +260,9 @@ def test_out_of_memory_on_the_first_call_gets_the_modes_hint(monkeypatch, bitwis
         step(init(), X, KEY)
 
 
+@pytest.mark.filterwarnings(
+    "ignore::unsplit._src.bitwise.schedule.GroupSizeWarning"
+)  # 1 row per device
 def test_fsdp_group_runs_end_in_the_same_bits_for_every_data_parallel_degree():
     # chunk_axes: params stay sharded over the FSDP group inside the chunk programs.
     auto = (jax.sharding.AxisType.Auto,) * 2

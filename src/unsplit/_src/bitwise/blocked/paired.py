@@ -84,9 +84,13 @@ class Paired:
             self.grads_back = [NamedSharding(outer_mesh, s) for s in specs]
             self.rows_back = NamedSharding(outer_mesh, P(inner.layout.batch_entry))
 
-    def run(self, params, batch, key, ids):
+    def moved(self, params, batch) -> tuple[Any, Any]:
+        """The params and the batch on the paired mesh (exact: device_put)."""
         params = jax.tree.map(lambda x: self._moved(x, x.sharding.spec), params)
-        batch = jax.device_put(batch, self.batch)
+        return params, jax.device_put(batch, self.batch)
+
+    def run(self, params, batch, key, ids):
+        params, batch = self.moved(params, batch)
         state, params = self.inner.prepare(params, batch, key)
         loss, grads, aux, weight = state.run(params, batch, key, ids)
         leaves, tree = jax.tree.flatten(grads)

@@ -11,7 +11,7 @@ from unsplit._src.bitwise.blocked import rewrite
 from unsplit._src.trees import rel_l2
 
 KEYS = jax.random.split(jax.random.key(0), 4)
-X = jax.random.normal(KEYS[0], (8, 64))  # rows, features
+X = jax.random.normal(KEYS[0], (16, 64))  # rows, features
 W1 = jax.random.normal(KEYS[1], (64, 256)) / 8  # column parallel
 W2 = jax.random.normal(KEYS[2], (256, 64)) / 16  # row parallel
 DEGREES = (2, 4, 8)

@@ -8,8 +8,8 @@ Example:
     >>> from unsplit._src.bitwise.blocked import values
     >>> values.dims_of(P(None, "model"), 3)
     ((), ('model',), ())
-    >>> values.block_count(12, 8), values.block_count(768, 8)
-    (4, 8)
+    >>> values.block_count(12, 8), values.block_count(768, 8), values.block_count(8, 8)
+    (2, 8, 4)
 """
 
 from __future__ import annotations
@@ -55,5 +55,12 @@ def dims_of(spec: P, ndim: int) -> Dims:
 
 def block_count(size: int, blocks: int) -> int:
     """The canonical blocks of a split dimension of ``size``: the largest power of two
-    dividing both ``size`` and ``blocks``."""
-    return math.gcd(size & -size, blocks & -blocks) if size else 1
+    dividing both ``blocks`` and ``size / 2``, so a block holds at least two elements.
+
+    A degree that left one element of a dimension per device gave other bits (XLA
+    simplifies ops on a dimension of one differently: a broadcast along it vanishes, a
+    sum over it is no sum): measured on CPU with 4 experts over 4 devices, and with FSDP
+    groups of one row per device.
+    """
+    half = size // 2
+    return math.gcd(half & -half, blocks & -blocks) if half else 1

@@ -38,8 +38,8 @@ def fsdp(tree, mesh):
     """Every leaf split over ``fsdp`` along its first dimension where it divides (as the
     optimizer state of FSDP params is), others replicated."""
 
-    def put(x):
-        split = np.ndim(x) and np.shape(x)[0] % mesh.shape["fsdp"] == 0
+    def put(x):  # two rows or more per device: a block of one is refused (values.block_count)
+        split = np.ndim(x) and np.shape(x)[0] % (2 * mesh.shape["fsdp"]) == 0
         return jax.device_put(x, NamedSharding(mesh, P("fsdp") if split else P()))
 
     return jax.tree.map(put, tree)

@@ -124,14 +124,14 @@ class GroupReduce:
     def row_blocks(self) -> int:
         """How many canonical row blocks each device computes, one after the other.
 
-        A chunk has ``block_count(chunk / 2, blocks)`` row blocks of at least two rows
+        A chunk has ``block_count(chunk, blocks)`` row blocks of at least two rows
         (one-row blocks gave other bits next to each other than alone: XLA fuses a
         one-row weight gradient, a product, into the adds after it), shared by the
         group's devices, so groups of 2, 4 or 8 devices give the same bits (each block
         one computation of the same shape). A group with more devices than blocks
         computes one block per device (:func:`warn_group_size` says so).
         """
-        count = values.block_count(max(self.plan.chunk // 2, 1), self.plan.canonical_blocks)
+        count = values.block_count(self.plan.chunk, self.plan.canonical_blocks)
         return count // self.size if count % self.size == 0 else 1
 
     def chunk_sums(self, fn, arrays, rows, key):
