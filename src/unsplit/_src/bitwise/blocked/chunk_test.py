@@ -1,6 +1,7 @@
 """A bitwise step's bits at every tensor-parallel degree: the canonical-block chunk program."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
@@ -65,3 +66,28 @@ def test_xla_partitioning_gives_other_bits_at_another_degree(monkeypatch):
     two, eight = step_at(4, 2), step_at(1, 8)
     assert not tu.bits_equal(two, eight)
     assert tu.rel_l2(two, eight) < 1e-5
+
+
+def sequence_loss(p, example, key):
+    """Attention over one example whose positions are split over ``seq`` (an annotation)."""
+    x = jax.sharding.reshard(example, jax.P("seq", None))
+    k = jax.sharding.reshard(x @ p["k"], jax.P())
+    h = jax.nn.softmax((x @ p["q"]) @ k.T, axis=-1) @ k
+    return jnp.mean(unsplit.dropout(key, jnp.tanh(h @ p["o"]), 0.25) ** 2)
+
+
+def sequence_step(seq):
+    mesh = jax.make_mesh((8 // seq, seq), ("data", "seq"))
+    rng = np.random.default_rng(0)
+    params = {k: rng.normal(size=(16, 16)).astype(np.float32) / 4 for k in ("q", "k", "o")}
+    batch = rng.normal(size=(16, 32, 16)).astype(np.float32)
+    step = unsplit.value_and_grad(sequence_loss, mesh=mesh, bitwise=unsplit.Bitwise(chunk_size=2))
+    with jax.set_mesh(mesh):
+        return jax.device_get(step(params, batch, KEY))
+
+
+def test_sequence_degrees_agree_and_xla_partitioning_does_not(monkeypatch):
+    assert tu.bits_equal(sequence_step(2), sequence_step(4))
+    monkeypatch.setattr(chunk, "ENABLED", False)  # the negative control
+    two, four = sequence_step(2), sequence_step(4)
+    assert not tu.bits_equal(two, four) and tu.rel_l2(two, four) < 1e-5

@@ -86,7 +86,7 @@ class Paired:
 
     def moved(self, params, batch) -> tuple[Any, Any]:
         """The params and the batch on the paired mesh (exact: device_put)."""
-        params = jax.tree.map(lambda x: self._moved(x, x.sharding.spec), params)
+        params = jax.tree.map(self._moved, params)
         return params, jax.device_put(batch, self.batch)
 
     def run(self, params, batch, key, ids):
@@ -99,10 +99,13 @@ class Paired:
         loss, weight = jax.device_put((loss, weight), self.back)
         return loss, jax.tree.unflatten(tree, back), aux, weight
 
-    def _moved(self, x: Any, spec: Any) -> Any:
-        if not isinstance(x, jax.Array):
-            return x
-        return jax.device_put(x, NamedSharding(self.mesh, spec if spec is not None else P()))
+    def _moved(self, x: Any) -> Any:
+        """A params leaf on the paired mesh with its spec (a host value: replicated)."""
+        if not isinstance(x, jax.Array | np.ndarray):
+            return x  # a static leaf
+        sharding = getattr(x, "sharding", None)
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
 
 
 def warn_unpaired(axes: tuple[str, ...], warned: set) -> None:
