@@ -23,7 +23,7 @@ from unsplit._src.models.specs import tensor_parallel_specs as tensor_parallel_s
 from unsplit._src.trees import bits_equal as bits_equal
 from unsplit._src.trees import rel_l2 as rel_l2
 
-CONFIG = tf.TransformerConfig(vocab=32, length=16, width=32, heads=2, layers=1)
+CONFIG = tf.TransformerConfig(vocab=32, length=16, width=32, heads=4, layers=1)
 
 
 @functools.cache

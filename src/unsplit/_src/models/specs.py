@@ -85,10 +85,12 @@ def megatron_specs(params: Any, axis: str = "model") -> Any:
 
 
 def fsdp_specs(params: Any, axis: str = "data", size: int = 2) -> Any:
-    """PartitionSpecs sharding each leaf's first dimension over ``axis`` where it divides."""
+    """PartitionSpecs sharding each leaf's first dimension over ``axis`` where it divides into
+    two rows or more per device (a bitwise step's canonical blocks hold two elements or
+    more: a dimension of ``size`` rows over ``size`` devices could not keep its bits)."""
 
     def spec(x):
-        if np.ndim(x) and np.shape(x)[0] % size == 0:
+        if np.ndim(x) and np.shape(x)[0] % (2 * size) == 0:
             return jax.P(axis, *([None] * (np.ndim(x) - 1)))
         return jax.P()
 

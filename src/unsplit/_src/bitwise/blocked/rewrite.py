@@ -293,10 +293,11 @@ class Rewrite:
         if count % devices:
             raise BlockError(
                 f"a dimension of size {size} split over {axes} ({devices} devices) has "
-                f"{count} canonical blocks (blocks={self.blocks}), which {devices} devices "
-                "cannot share: its sums would depend on the degree. Fix: a degree that "
-                f"divides {count} (a power of two), or a dimension whose size and the "
-                "`blocks` option have more factors of two in common."
+                f"{count} canonical block(s) of two elements or more (blocks={self.blocks}), "
+                f"which {devices} devices cannot share: its sums would depend on the degree. "
+                f"Fix: a degree of at most {count} for this dimension (a power of two), a "
+                f"larger dimension (at least {2 * devices} elements), or blocks="
+                f"{max(devices, self.blocks)} if the dimension allows it."
             )
         return count // devices
 
