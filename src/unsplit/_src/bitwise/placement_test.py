@@ -5,7 +5,8 @@
   groups (``chunk_axes``) and tensor-parallel groups.
 * Groups over processes (item 1): FSDP groups (with a sequence axis too) and
   tensor-parallel groups whose devices belong to two processes give the bits of the
-  same groups inside one process under ``jax.distributed`` and of a plain process
+  same groups inside one process under ``jax.distributed`` and of a plain process (and
+  tensor-parallel groups those of another degree: issue 37)
   (item 2: FSDP groups' in-group sums are unsplit's, the train step's optimizer update's
   too, with a global-norm clip; one launch runs every layout).
 """
@@ -39,6 +40,7 @@ LAYOUTS = {
     "fsdp": ((2, 4), ("data", "fsdp"), "fsdp"),
     "fsdp_first": ((4, 2), ("fsdp", "data"), "fsdp"),
     "tp": ((4, 2), ("data", "model"), "tp"),
+    "tp1": ((8, 1), ("data", "model"), "tp"),  # model degree 1: computed at degree 2
     "tp_first": ((2, 4), ("model", "data"), "tp"),
     "fsdp2_tp": ((2, 2, 2), ("data", "fsdp", "model"), "fsdp+tp"),
     "fsdp2_tp_middle": ((2, 2, 2), ("model", "fsdp", "data"), "fsdp+tp"),
@@ -191,6 +193,8 @@ def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
     assert got["train_fsdp_spread"] == run_layout("fsdp", train=True)
     assert got["fsdp_seq_spread"] == one_process("fsdp2_seq")
     assert got["tp_spread"] == one_process("tp")
+    # Another tensor-parallel degree in a plain process: degree 1 (the canonical blocks).
+    assert got["tp_spread"] == one_process("tp1")
 
 
 def test_blocks_gathered_in_one_collective_are_the_per_dimension_all_gathers():
