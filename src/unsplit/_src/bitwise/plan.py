@@ -230,7 +230,8 @@ def _check_dimensions(paths, specs, outer, group_axes, model) -> None:
 
 
 def _activation_axes(spec, structure, arrays, batch, key, layout: Layout) -> set[str]:
-    """The mesh axes the loss's sharding annotations name, other than batch axes."""
+    """The mesh axes the loss's sharding annotations name or its ``shard_map`` regions use, other
+    than batch axes."""
     example = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], canonical_dtype(x.dtype)), batch
     )
@@ -256,7 +257,11 @@ def _activation_axes(spec, structure, arrays, batch, key, layout: Layout) -> set
         memo[signature] = constraints.activation_axes(
             spec.loss_fn, mesh, params, example, example_key(key)
         )
-    return {a for a in memo[signature] if a not in layout.batch_axes and mesh.shape[a] > 1}
+    named, manual = memo[signature]
+    # An axis the loss's own shard_map uses joins the group at any size (its collectives
+    # name it); one only its annotations name, when it splits something.
+    axes = manual | {a for a in named if mesh.shape[a] > 1}
+    return {a for a in axes if a not in layout.batch_axes}
 
 
 def _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key) -> FlatPlan:
@@ -353,9 +358,11 @@ def _traced_loss_dtype(spec, layout, structure, arrays, example, key) -> Any:
         return loss_sum, weight
 
     shapes = [jax.ShapeDtypeStruct(np.shape(a), canonical_dtype(a.dtype)) for a in arrays]
-    # Traced with no mesh, as the chunk program is: the loss's shardings left to XLA.
-    spec = retargeted(spec, layout, ())
-    loss, _ = jax.eval_shape(one, shapes, example, example_key(key))
+    # Traced on the user's mesh (whatever the context), its shardings over the batch axes
+    # dropped as in the chunk program; the dtype does not depend on where values live.
+    spec = retargeted(spec, layout, layout.model_axes)
+    with jax.sharding.use_abstract_mesh(layout.required_mesh().abstract_mesh):
+        loss, _ = jax.eval_shape(one, shapes, example, example_key(key))
     return jax.numpy.dtype(loss.dtype)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core
 
 # The outputs of one equation for its input values: a list for a primitive with multiple
@@ -125,3 +126,21 @@ def nested(value: Any, retrace: Retrace) -> Any:
     if isinstance(value, tuple) and any(isinstance(v, core.ClosedJaxpr) for v in value):
         return tuple(nested(v, retrace) for v in value)
     return value
+
+
+def subjaxprs(params: dict) -> list[core.Jaxpr]:
+    """The jaxprs in an equation's params (a ``scan``'s body, a ``cond``'s branches...)."""
+    found = []
+    for v in params.values():
+        for item in v if isinstance(v, tuple | list) else (v,):
+            if isinstance(item, core.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, core.Jaxpr):
+                found.append(item)
+    return found
+
+
+def plain(value: Any) -> Any:
+    """A literal's value without the mesh its type was traced on (a plain NumPy array):
+    for :func:`evaluate`'s ``literal`` where equations move to another mesh."""
+    return np.asarray(value).view(np.ndarray) if isinstance(value, np.ndarray) else value
