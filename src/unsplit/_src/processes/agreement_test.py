@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import unsplit
+from unsplit._src import test_util as tu
 from unsplit._src.processes import agreement, launch
 from unsplit._src.processes import fingerprint as fp
 
@@ -312,9 +314,6 @@ def worker_under_set_mesh(names: tuple[str, ...] = ("data", "seq ring")) -> dict
     """Steps called inside ``with jax.set_mesh(mesh)``, default and bitwise: a (data,) mesh
     of every device with replicated params and the whole batch on every process, and a
     (data, seq) mesh whose loss holds a ring attention over ``seq``. Results as hex."""
-    import unsplit  # the public step (this module's floor is below it)
-    from unsplit._src import test_util as tu
-
     out = {}
     data_mesh = jax.make_mesh((jax.device_count(),), ("data",))
     seq_mesh = jax.make_mesh((jax.device_count() // 4, 4), ("data", "seq"))
