@@ -70,8 +70,10 @@ class CanonicalUpdate:
         # so the update sees the same types on the first call as on the next ones.
         trees = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, int | float) else x, trees)
         targets = jax.tree.map(self._target, trees[: self.outputs])
-        out = self.fn(*self._gathered(trees))
-        return self._scatter(out, targets)
+        # On one device per process, not on the mesh of the caller's jax.set_mesh.
+        with jax.set_mesh(None):
+            out = self.fn(*self._gathered(trees))
+            return self._scatter(out, targets)
 
     def _gathered(self, trees: tuple) -> tuple:
         """Every leaf whole on this process's update device (exact data movement).
