@@ -28,7 +28,6 @@ from typing import Any
 import jax
 from jax.extend import core
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
 from unsplit._src.step import custom_rules, jaxpr_eval
@@ -153,15 +152,7 @@ class Region:
 
     def struct(self, aval: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
         """``aval`` as a type of the current region: its manual axes kept."""
-        mat = getattr(aval, "manual_axis_type", None)
-        dtype = aval.dtype if dtype is None else dtype
-        weak = bool(getattr(aval, "weak_type", False))
-        if mat is None:
-            return jax.ShapeDtypeStruct(aval.shape, dtype, weak_type=weak)
-        where = NamedSharding(jax.sharding.get_abstract_mesh(), P())
-        return jax.ShapeDtypeStruct(
-            aval.shape, dtype, weak_type=weak, sharding=where, manual_axis_type=mat
-        )
+        return jaxpr_eval.plain_aval(aval, dtype)
 
     def eval(self, jaxpr: core.Jaxpr, consts: Any, *args: Any) -> list[Any]:
         return jaxpr_eval.evaluate(jaxpr, consts, args, self.equation, literal=jaxpr_eval.plain)
