@@ -352,18 +352,26 @@ def _loss_dtype(spec, layout, structure, arrays, batch, key) -> Any:
 
 
 def _traced_loss_dtype(spec, layout, structure, arrays, example, key) -> Any:
+    shapes = [jax.ShapeDtypeStruct(np.shape(a), canonical_dtype(a.dtype)) for a in arrays]
+    args = (shapes, example, example_key(key))
+    try:  # the loss as written, on the user's mesh (a shard_map of theirs runs there)
+        one = _loss_sums(spec, structure)
+        loss, _ = constraints.on_user_mesh(
+            layout.required_mesh(), lambda: jax.eval_shape(one, *args)
+        )
+    except Exception:  # traced with no mesh, as the chunk program is: shardings left to XLA
+        loss, _ = jax.eval_shape(_loss_sums(retargeted(spec, layout, ()), structure), *args)
+    return jax.numpy.dtype(loss.dtype)
+
+
+def _loss_sums(spec: sums.LossSpec, structure: sums.Params):
+    """One example's ``(loss_sum, weight)`` as a function of the params' array leaves."""
 
     def one(arrays, example, key):
         loss_sum, weight, _ = sums.call_loss(spec, structure.merge(arrays), example, key)
         return loss_sum, weight
 
-    shapes = [jax.ShapeDtypeStruct(np.shape(a), canonical_dtype(a.dtype)) for a in arrays]
-    # Traced on the user's mesh (whatever the context), its shardings over the batch axes
-    # dropped as in the chunk program; the dtype does not depend on where values live.
-    spec = retargeted(spec, layout, layout.model_axes)
-    with jax.sharding.use_abstract_mesh(layout.required_mesh().abstract_mesh):
-        loss, _ = jax.eval_shape(one, shapes, example, example_key(key))
-    return jax.numpy.dtype(loss.dtype)
+    return one
 
 
 def retargeted(spec: sums.LossSpec, layout: Layout, group_axes: tuple[str, ...], gmesh=None):

@@ -7,15 +7,17 @@ attention; what is new is the order the pieces are combined in, which makes the 
 the same bits at every ``S`` (:mod:`~unsplit._src.ring.tree`):
 
 * forward: at each step a device computes, for each of its query blocks, the partial
-  softmax over the shard it holds (its key blocks merged in the canonical tree) and keeps
-  it in the slot of that shard; after the ring, the ``S`` slots are merged in the
-  canonical tree over the shard index. A ring that folded the shards in the order they
-  arrive would pair them differently on every device and at every ``S``;
+  softmax over the shard it holds (its key blocks' tiles stacked, merged in the canonical
+  tree) and keeps it in the slot of that shard; after the ring, the ``S`` slots are
+  merged in the canonical tree over the shard index. A ring that folded the shards in the
+  order they arrive would pair them differently on every device and at every ``S``;
 * backward (a ``custom_vjp``: recomputed per tile from the saved log-sum-exp, as
-  FlashAttention does): the keys and values travel again; a device adds its pieces of
-  the query gradient over key blocks (tree), keeps each shard's in its slot, and its
-  pieces of that shard's key and value gradients over its query blocks (tree), which one
-  ``all_to_all`` then hands to the shard's owner, who adds them over the devices (tree).
+  FlashAttention does): the keys and values travel again; for each key block of the shard
+  it holds, a device adds that block's key and value gradients over its query blocks
+  (stacked, tree) and its pieces of the query gradient over the key blocks (a binary
+  counter, :func:`~unsplit._src.ring.tree.scan_tree`), each shard's in its slot; one
+  ``all_to_all`` hands each shard's key and value pieces to the shard's owner, who adds
+  them over the devices (tree), as each device adds its query pieces over the shards.
 
 Memory per device: the slots hold ``S`` pieces of the local output (forward) or of the
 local gradients (backward): ``S * (L / S) * heads * depth = L * heads * depth`` floats
@@ -90,9 +92,14 @@ def _blocks(x: Array, n: int) -> Array:
     return x.reshape(x.shape[0] // n, n, *x.shape[1:])
 
 
-def _by_shard(by_step: Any, j: Array) -> Any:
-    """Pieces stacked by ring step -> by the shard they came from (``s = (j + t) % S``)."""
-    return jax.tree.map(lambda x: jnp.roll(x, j, axis=0), by_step)
+def _slots(like: Any, size: int) -> Any:
+    """One slot per shard, each shaped like ``like`` (and typed like it)."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (size, *x.shape)), like)
+
+
+def _put(slots: Any, s: Array, piece: Any) -> Any:
+    """``piece`` into slot ``s`` (in place in the loop's carry)."""
+    return jax.tree.map(lambda x, p: lax.dynamic_update_index_in_dim(x, p, s, 0), slots, piece)
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -130,15 +137,16 @@ def _forward(q, k, v, words, ring: Ring) -> tuple[Array, Array]:
 
         return lax.map(query_block, jnp.arange(qb.shape[0]))
 
-    def step(carry, t):
-        kc, vc = carry
-        s = (j + t) % size
-        nothing = jax.tree.map(lambda x: jnp.broadcast_to(x, (qb.shape[0], *x.shape)), like)
-        partial = _skipped(ring, s, j, lambda: shard(kc, vc, s), nothing)
-        return ring.rotate((kc, vc), size), partial
+    nothing = jax.tree.map(lambda x: jnp.broadcast_to(x, (qb.shape[0], *x.shape)), like)
 
-    _, by_step = lax.scan(step, (k, v), jnp.arange(size))
-    root = tree.reduce_stacked(_by_shard(by_step, j), tiles.merge)
+    def step(carry, t):
+        kc, vc, slots = carry
+        s = (j + t) % size
+        partial = _skipped(ring, s, j, lambda: shard(kc, vc, s), nothing)
+        return (*ring.rotate((kc, vc), size), _put(slots, s, partial)), None
+
+    (_, _, slots), _ = lax.scan(step, (k, v, _slots(nothing, size)), jnp.arange(size))
+    root = tree.reduce_stacked(slots, tiles.merge)
     out, lse = tiles.finish(root)  # [blocks, n, heads, depth], [blocks, heads, n]
     return out.reshape(q.shape), lse
 
@@ -159,29 +167,32 @@ def _backward(q, k, v, words, out, lse, g, ring: Ring) -> tuple[Array, Array, Ar
     def shard(kc, vc, s):
         kb, vb = _blocks(kc, n), _blocks(vc, n)
 
-        def query_block(i):
-            def tile(_, b):
+        def key_block(b):
+            def tile(_, i):
                 row0, col0 = j * rows + i * n, s * kc.shape[0] + b * n
                 return None, tiles.backward(
                     qb[i], kb[b], vb[b], gb[i], lse[i], delta[i], words, row0, col0, o
                 )
 
-            _, (dq, dk, dv) = lax.scan(tile, None, jnp.arange(kb.shape[0]))
-            # This query block's pieces of every key block's gradients, and its own.
-            return (dk, dv), tree.reduce_stacked(dq, jnp.add)
+            _, (dq, dk, dv) = lax.scan(tile, None, jnp.arange(qb.shape[0]))
+            # This key block's gradients over the local query blocks (stacked: one
+            # shard's queries), and its pieces of every local query block's.
+            return dq, (tree.reduce_stacked(dk, jnp.add), tree.reduce_stacked(dv, jnp.add))
 
-        dkv, dq = tree.scan_tree(query_block, qb.shape[0], _add, (zeros(kb),) * 2)
+        dq, dkv = tree.scan_tree(key_block, kb.shape[0], jnp.add, zeros(qb))
         return dq, dkv
 
-    def step(carry, t):
-        kc, vc = carry
-        s = (j + t) % size
-        nothing = (zeros(qb), (zeros(_blocks(kc, n)),) * 2)
-        pieces = _skipped(ring, s, j, lambda: shard(kc, vc, s), nothing)
-        return ring.rotate((kc, vc), size), pieces
+    nothing = (zeros(qb), (zeros(_blocks(k, n)),) * 2)
 
-    _, (dq, (dk, dv)) = lax.scan(step, (k, v), jnp.arange(size))
-    dq, dk, dv = _by_shard((dq, dk, dv), j)
+    def step(carry, t):
+        kc, vc, slots = carry
+        s = (j + t) % size
+        pieces = _skipped(ring, s, j, lambda: shard(kc, vc, s), nothing)
+        return (*ring.rotate((kc, vc), size), _put(slots, s, pieces)), None
+
+    (_, _, (dq, (dk, dv))), _ = lax.scan(
+        step, (k, v, _slots(nothing, size)), jnp.arange(size)
+    )  # fmt: skip
     if ring.axis_name is not None and size > 1:  # each shard's pieces to its owner
         dk, dv = (lax.all_to_all(x, ring.axis_name, 0, 0, tiled=True) for x in (dk, dv))
     dq, dk, dv = (tree.reduce_stacked(x, jnp.add) for x in (dq, dk, dv))
