@@ -81,19 +81,19 @@ def scan_tree(
     The carry holds one pending piece per tree level (a binary counter): block ``b``
     merges with the pending pieces of the levels its trailing one bits name, then
     waits at the next level. A ``lax.switch`` on that count runs exactly those merges
-    (``n - 1`` in all, as many as :func:`reduce_stacked` does).
+    (``n - 1`` in all, as many as :func:`reduce_stacked` does) and returns the one piece
+    that then waits, written in place (the pending pieces are read, never copied).
     """
     levels = max(n.bit_length(), 1)
-    # One pending piece per level, each its own carry (a branch that does not touch a
-    # level passes it through: no copy); broadcast from ``like`` so each keeps its type,
-    # how it varies over manual axes too.
-    slots = tuple(jax.tree.map(lambda x: x + jnp.zeros_like(x), like) for _ in range(levels))
+    # The pending pieces stacked by level (broadcast from ``like``: typed like a piece, how
+    # it varies over manual axes too); a block's piece is written in place at its level.
+    slots = jax.tree.map(lambda x: jnp.broadcast_to(x, (levels, *jnp.shape(x))), like)
 
     def joins(count: int):
-        def run(slots, carry):
+        def run(slots, carry):  # reads the slots, returns one piece
             for level in range(count):  # the left siblings, lowest level first
-                carry = merge(slots[level], carry)
-            return (*slots[:count], carry, *slots[count + 1 :])
+                carry = merge(jax.tree.map(lambda s, lv=level: s[lv], slots), carry)
+            return carry
 
         return run
 
@@ -103,7 +103,10 @@ def scan_tree(
         ones = jnp.int32(0)
         for level in range(levels):
             ones = ones + jnp.where((ones == level) & ((b >> level) & 1 == 1), 1, 0)
-        slots = jax.lax.switch(ones, [joins(c) for c in range(levels)], slots, carry)
+        carry = jax.lax.switch(ones, [joins(c) for c in range(levels)], slots, carry)
+        slots = jax.tree.map(
+            lambda s, c: jax.lax.dynamic_update_index_in_dim(s, c, ones, 0), slots, carry
+        )  # fmt: skip
         return slots, side
 
     slots, sides = jax.lax.scan(push, slots, jnp.arange(n, dtype=jnp.int32))
@@ -112,5 +115,6 @@ def scan_tree(
     root = None
     for level in range(levels):
         if (n >> level) & 1:
-            root = slots[level] if root is None else merge(slots[level], root)
+            here = jax.tree.map(lambda s, lv=level: s[lv], slots)
+            root = here if root is None else merge(here, root)
     return root, sides
