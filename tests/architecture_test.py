@@ -27,7 +27,7 @@ FLOORS = (
     ("step", {"step"}),
     ("bitwise", {"bitwise"}),
     ("front", {"front"}),
-    ("integrations", {"dropout", "elastic", "models"}),
+    ("integrations", {"dropout", "elastic", "models", "ring"}),
 )
 APPLICATIONS = ("src/unsplit/demo", "benchmarks", "examples", "tests")
 

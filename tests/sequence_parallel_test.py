@@ -13,6 +13,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -21,6 +22,7 @@ import unsplit
 import unsplit.testing
 
 S, D = 32, 16
+KEY = jax.random.key(3)
 
 
 def _params():
@@ -192,3 +194,39 @@ def test_fsdp_groups_with_a_seq_axis_keep_the_losss_annotations(kind):
     default = _run(2, 2, bitwise=False) if types else None
     if default is not None:
         np.testing.assert_allclose(out[1][0][0], default[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("bitwise", "how"),
+    [
+        (False, "call"),
+        (False, "user jit"),
+        (False, "train_step"),
+        (True, "call"),
+        (True, "train_step"),
+    ],
+)
+def test_grads_keep_the_params_shardings_under_set_mesh(bitwise, how):
+    """A position embedding sharded over ``seq`` gets its gradient sharded so, in every
+    way the step is called under ``jax.set_mesh`` (the bitwise optimizer update failed
+    there: its one-device program under the user's mesh)."""
+    mesh = _mesh(2, 4)
+    rng = np.random.default_rng(2)
+    params = {**_params(), "pos": (rng.normal(size=(S, D)) * 0.1).astype(np.float32)}
+    specs = {k: P("seq", None) if k == "pos" else P() for k in params}
+    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+
+    def loss(p, example, key):
+        return _loss(p, {"x": example["x"] + p["pos"]}, key)[0]
+
+    options = {"chunk_size": 4} if bitwise else {}
+    step = unsplit.value_and_grad(loss, mesh=mesh, bitwise=bitwise, **options)
+    with jax.set_mesh(mesh):
+        if how == "train_step":
+            opt = optax.sgd(0.1)
+            _, out, _ = unsplit.train_step(step, opt)(params, opt.init(params), _batch(), KEY)
+        else:
+            run = jax.jit(step) if how == "user jit" else step
+            _, out = run(params, _batch(), KEY)
+    for k, x in out.items():
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, specs[k]), x.ndim), (k, x.sharding)

@@ -44,6 +44,7 @@ from unsplit._src.keys import ids64 as ids64
 from unsplit._src.processes.agreement import AgreementError as AgreementError
 from unsplit._src.processes.global_batch import global_batch as global_batch
 from unsplit._src.processes.mesh import mesh_over as mesh_over
+from unsplit._src.ring.attention import ring_attention as ring_attention
 from unsplit._src.step.state_guard import DroppedStateError as DroppedStateError
 
 __version__ = "0.1.0"
@@ -85,6 +86,7 @@ __all__ = [
     "mesh_over",
     "record_step",
     "replay_step",
+    "ring_attention",
     "testing",
     "train_step",
     "trainable",

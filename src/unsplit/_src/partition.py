@@ -56,3 +56,8 @@ def drop_axes(spec: Any, axes: Iterable[str]) -> P:
     """``spec`` with the names in ``axes`` removed (gathered over them)."""
     axes = tuple(axes)
     return P(*(entry(n for n in names(e) if n not in axes) for e in spec))
+
+
+def plain(spec: Any) -> P:
+    """``spec`` with ``P.UNCONSTRAINED`` entries as ``None`` (for reading axis names)."""
+    return P(*(None if e is P.UNCONSTRAINED else e for e in spec))

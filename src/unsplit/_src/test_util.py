@@ -312,3 +312,97 @@ def clip_close(out, ref, tol: float = 1e-5) -> None:
     assert rel_l2(grads, ref_grads) <= tol, rel_l2(grads, ref_grads)
     t, rt = float(grads["log_temp"]), float(ref_grads["log_temp"])
     assert abs(t - rt) <= 10 * tol * abs(rt) + 1e-7, (t, rt)
+
+
+# A loss that holds its own shard_map: a small ring attention over "seq" (per device: its
+# query block against every key block, the keys and values passed around the ring).
+RING_S, RING_D, RING_HEADS = 32, 16, 2
+
+
+def toy_ring(q, k, v, axis_name: str = "seq"):
+    """Attention of this device's queries ``[L, H, d]`` over every device's keys and values."""
+    n = jax.lax.axis_size(axis_name)
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    scale = np.float32(q.shape[-1] ** -0.5)
+    heads, rows = q.shape[1], q.shape[0]
+
+    def step(carry, _):
+        peak, total, o, k, v = carry  # running max, softmax denominator, numerator
+        s = jnp.einsum("qhd,khd->hqk", q, k) * scale
+        new = jnp.maximum(peak, s.max(-1))
+        p, c = jnp.exp(s - new[..., None]), jnp.exp(peak - new)
+        o = o * c.T[..., None] + jnp.einsum("hqk,khd->qhd", p, v)
+        moved = [jax.lax.ppermute(x, axis_name, perm) for x in (k, v)]
+        return (new, total * c + p.sum(-1), o, *moved), None
+
+    start = (jnp.full((heads, rows), -jnp.inf), jnp.zeros((heads, rows)), jnp.zeros_like(q), k, v)
+    (_, total, o, _, _), _ = jax.lax.scan(step, start, None, length=n)
+    return o / total.T[..., None]
+
+
+def toy_ring_with_rule(calls: list, scale: float = 1.0):
+    """:func:`toy_ring` as a ``custom_vjp`` whose rule records each trace in ``calls`` and
+    returns ``scale`` times the ring's gradient (a rule that is not the primal's
+    derivative when ``scale != 1``)."""
+
+    @jax.custom_vjp
+    def ring(q, k, v):
+        return toy_ring(q, k, v)
+
+    def fwd(q, k, v):
+        return toy_ring(q, k, v), (q, k, v)
+
+    def bwd(res, g):
+        calls.append("bwd")
+        _, pullback = jax.vjp(toy_ring, *res)
+        return tuple(x * np.float32(scale) for x in pullback(g))
+
+    ring.defvjp(fwd, bwd)
+    return ring
+
+
+def dense_attention(q, k, v):
+    """What :func:`toy_ring` computes, on one device: softmax attention ``[S, H, d]``."""
+    s = jnp.einsum("qhd,khd->hqk", q, k) * np.float32(q.shape[-1] ** -0.5)
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def ring_params() -> dict:
+    rng = np.random.default_rng(0)
+    d = RING_D
+    return {n: (rng.normal(size=(d, d)) * 0.5).astype(np.float32) for n in ("q", "k", "v", "o")}
+
+
+def ring_batch(n: int = 8) -> dict:
+    rng = np.random.default_rng(1)
+    return {"x": rng.normal(size=(n, RING_S, RING_D)).astype(np.float32)}
+
+
+def ring_loss(attention, mesh=None, constrain: str | None = None, in_region: bool = True):
+    """A one-example loss: q, k, v projections, ``attention`` (in a ``shard_map`` over
+    ``mesh``'s ``seq`` axis, as ringattention's README calls its ring, when ``in_region``),
+    dropout, an output projection. ``constrain``: ``"reshard"`` (Explicit axes) or
+    ``"wsc"`` (Auto) places the positions over ``seq`` first; ``None``: no annotation."""
+    s, d, h = RING_S, RING_D, RING_HEADS
+    seq = P("seq", None, None) if constrain == "reshard" else None
+
+    def loss(p, example, key):
+        x = example["x"]
+        if constrain == "reshard":
+            x = jax.sharding.reshard(x, P("seq", None))
+        elif constrain == "wsc":
+            x = jax.lax.with_sharding_constraint(x, P("seq", None))
+        q, k, v = (jnp.reshape(x @ p[n], (s, h, d // h), out_sharding=seq) for n in "qkv")
+        if in_region:
+            spec = P("seq", None, None)
+            region = jax.shard_map(
+                attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False
+            )
+            out = region(q, k, v)
+        else:
+            out = attention(q, k, v)
+        out = jnp.reshape(out, (s, d), out_sharding=None if seq is None else P("seq", None))
+        kept = jnp.where(jax.random.bernoulli(key, 0.9, (s, d)), out / 0.9, 0.0)
+        return jnp.mean(jnp.tanh(kept @ p["o"]) ** 2)
+
+    return loss

@@ -84,12 +84,14 @@ def replicate(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """``x`` (a value every process holds the same) whole on every device of ``sharding``.
 
     ``jax.device_put`` of a one-device array onto devices of other processes is
-    refused; each process instead copies its own value to its own devices.
+    refused, as is a copy of an array over every process's devices (a key made
+    under the user's ``jax.set_mesh``) onto a group of this process's devices;
+    each process instead copies its own value to its own devices.
     """
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable and sharding.is_fully_addressable):
+        x = x.addressable_data(0)
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
-    if isinstance(x, jax.Array):
-        x = x.addressable_data(0)
     # In the sharding's device order: key arrays are not rearranged by device.
     copies = [jax.device_put(x, d) for d in sharding.addressable_devices_indices_map(np.shape(x))]
     return jax.make_array_from_single_device_arrays(np.shape(x), sharding, copies)

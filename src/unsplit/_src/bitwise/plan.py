@@ -253,7 +253,8 @@ def _check_dimensions(paths, specs, outer, group_axes, model) -> None:
 
 
 def _activation_axes(spec, structure, arrays, batch, key, layout: Layout) -> set[str]:
-    """The mesh axes the loss's sharding annotations name, other than batch axes."""
+    """The mesh axes the loss's sharding annotations name or its ``shard_map`` regions use, other
+    than batch axes."""
     example = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], canonical_dtype(x.dtype)), batch
     )
@@ -279,8 +280,11 @@ def _activation_axes(spec, structure, arrays, batch, key, layout: Layout) -> set
         memo[signature] = constraints.activation_axes(
             spec.loss_fn, mesh, params, example, example_key(key)
         )
-    # Size-1 axes too: their names fix the canonical blocks (the bits of every degree).
-    return {a for a in memo[signature] if a not in layout.batch_axes}
+    named, manual = memo[signature]
+    # Every axis the loss names joins the group, size 1 too: the names fix the canonical
+    # blocks (the bits of every degree); the loss's own shard_map axes always do.
+    axes = manual | set(named)
+    return {a for a in axes if a not in layout.batch_axes}
 
 
 def _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key) -> FlatPlan:
@@ -371,16 +375,26 @@ def _loss_dtype(spec, layout, structure, arrays, batch, key) -> Any:
 
 
 def _traced_loss_dtype(spec, layout, structure, arrays, example, key) -> Any:
+    shapes = [jax.ShapeDtypeStruct(np.shape(a), canonical_dtype(a.dtype)) for a in arrays]
+    args = (shapes, example, example_key(key))
+    try:  # the loss as written, on the user's mesh (a shard_map of theirs runs there)
+        one = _loss_sums(spec, structure)
+        loss, _ = constraints.on_user_mesh(
+            layout.required_mesh(), lambda: jax.eval_shape(one, *args)
+        )
+    except Exception:  # traced with no mesh, as the chunk program is: shardings left to XLA
+        loss, _ = jax.eval_shape(_loss_sums(retargeted(spec, layout, ()), structure), *args)
+    return jax.numpy.dtype(loss.dtype)
+
+
+def _loss_sums(spec: sums.LossSpec, structure: sums.Params):
+    """One example's ``(loss_sum, weight)`` as a function of the params' array leaves."""
 
     def one(arrays, example, key):
         loss_sum, weight, _ = sums.call_loss(spec, structure.merge(arrays), example, key)
         return loss_sum, weight
 
-    shapes = [jax.ShapeDtypeStruct(np.shape(a), canonical_dtype(a.dtype)) for a in arrays]
-    # Traced with no mesh, as the chunk program is: the loss's shardings left to XLA.
-    spec = retargeted(spec, layout, ())
-    loss, _ = jax.eval_shape(one, shapes, example, example_key(key))
-    return jax.numpy.dtype(loss.dtype)
+    return one
 
 
 def retargeted(spec: sums.LossSpec, layout: Layout, group_axes: tuple[str, ...], gmesh=None):

@@ -74,8 +74,10 @@ class CanonicalUpdate:
         if self.everywhere.accepts(trees):  # every leaf whole on every device: no gather
             return self.everywhere(trees, like=trees[: self.outputs])
         targets = jax.tree.map(self._target, trees[: self.outputs])
-        out = self.fn(*self._gathered(trees))
-        return self._scatter(out, targets)
+        # On one device per process, not on the mesh of the caller's jax.set_mesh.
+        with jax.set_mesh(None):
+            out = self.fn(*self._gathered(trees))
+            return self._scatter(out, targets)
 
     def _gathered(self, trees: tuple) -> tuple:
         """Every leaf whole on this process's update device (exact data movement).

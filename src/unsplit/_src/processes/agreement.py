@@ -89,17 +89,22 @@ def agreeing(what: str, *, fixes: Mapping[str, str] | None = None) -> Iterator[d
     the body is not raised at once: it is sent to the other processes, and
     then every process raises (see the module docs), so one process's bad
     input never leaves the others waiting in a collective.
+
+    The checks and the exchange are host work on each process's own copies
+    (fingerprints computed on the device that holds a copy): they run outside the
+    caller's ``jax.set_mesh``, whose mesh spans every process's devices.
     """
     items: dict[str, Any] = {}
     if not needed():
         yield items
         return
     error: Exception | None = None
-    try:
-        yield items
-    except Exception as e:  # a local check failed: tell the others before raising
-        error = e
-    _exchange(what, items, error, dict(fixes or {}))
+    with jax.set_mesh(None):
+        try:
+            yield items
+        except Exception as e:  # a local check failed: tell the others before raising
+            error = e
+        _exchange(what, items, error, dict(fixes or {}))
     if error is not None:  # _exchange raises it; never let the context manager swallow it
         raise error
 

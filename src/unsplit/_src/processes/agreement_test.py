@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import unsplit
+from unsplit._src import test_util as tu
 from unsplit._src.processes import agreement, launch
 from unsplit._src.processes import fingerprint as fp
 
@@ -305,3 +307,57 @@ def test_processes_that_disagree_inside_their_own_jit_get_an_error_too():
             kwargs={"microbatches": 2, "bitwise": False, "skew_key": True, "in_jit": True},
             timeout_s=240,
         )
+
+
+# ---- a step called under the user's jax.set_mesh, on 2 processes ------------------------
+
+
+def worker_under_set_mesh(names: tuple[str, ...] = ("data", "seq ring")) -> dict:
+    """Steps called inside ``with jax.set_mesh(mesh)``, default and bitwise: a (data,) mesh
+    of every device with replicated params and the whole batch on every process, and a
+    (data, seq) mesh whose loss holds a ring attention over ``seq``. Results as hex."""
+    out = {}
+    data_mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    seq_mesh = jax.make_mesh((jax.device_count() // 4, 4), ("data", "seq"))
+
+    def mlp_loss(p, example, key):
+        h = jnp.tanh(example["x"] @ p["q"])
+        return jnp.mean(jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h, 0.0) ** 2)
+
+    setups = {
+        "data": (data_mesh, mlp_loss),
+        "seq ring": (seq_mesh, tu.ring_loss(tu.toy_ring, seq_mesh, "reshard")),
+    }
+    for name in names:
+        mesh, loss = setups[name]
+        params = jax.device_put(tu.ring_params(), jax.NamedSharding(mesh, jax.P()))
+        for bitwise in (False, True):
+            options = {"chunk_size": 2} if bitwise else {}
+            step = unsplit.value_and_grad(loss, mesh=mesh, bitwise=bitwise, **options)
+            with jax.set_mesh(mesh):
+                result = step(params, tu.ring_batch(16), jax.random.key(9))
+            out[f"{name} {'bitwise' if bitwise else 'default'}"] = tu.to_hex(
+                jax.tree.map(tu.local_value, result)
+            )
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_step_under_set_mesh_runs_on_two_processes_in_both_modes():
+    # The agreement's fingerprints ran under the user's mesh: "incompatible devices".
+    cases = launch.run_local_processes(
+        "unsplit._src.processes.agreement_test:worker_under_set_mesh",
+        devices_per_process=4,
+        timeout_s=TIMEOUT,
+    )
+    assert cases[0] == cases[1]
+    one_process = worker_under_set_mesh()  # the same steps on this process's 8 devices
+    for name, hexes in cases[0].items():
+        # Bitwise: the same bits as one process, except where a group's sequence axis sums
+        # over its devices (the collectives implementation: gloo here; docs/bitwise.md).
+        if name == "data bitwise":
+            assert hexes == one_process[name], name
+        else:
+            for a, b in zip(hexes, one_process[name], strict=True):
+                x, y = (np.frombuffer(bytes.fromhex(h), np.float32) for h in (a, b))
+                np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7, err_msg=name)

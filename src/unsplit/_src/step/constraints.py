@@ -21,25 +21,23 @@ any sharding, evaluates it with every sharding moved onto the program's mesh:
   axes that stay Explicit a ``reshard``;
 * an ``out_sharding`` (and any other sharding parameter) keeps its Explicit
   axes, or is left to XLA where the program has none;
-* a ``jit`` inside the loss is inlined; a ``custom_jvp`` keeps its rule; a
-  ``custom_vjp`` is differentiated through its primal computation (its bwd rule
-  checks the cotangents' types on the user's mesh, which the program's values
-  do not have): the same gradient unless the rule is not the primal's derivative
-  (a straight-through estimator), in a loss with sharding annotations only.
+* a ``jit`` inside the loss is inlined; a ``custom_jvp`` and a ``custom_vjp``
+  keep their rules, traced on the user's mesh and moved the same way
+  (:mod:`~unsplit._src.step.custom_rules`);
+* a ``shard_map`` inside the loss (a ring attention) is declared again on the
+  program's mesh, manual over the axes it uses (:mod:`~unsplit._src.step.manual`).
 
-A loss with no sharding in it runs as it is. :func:`activation_axes` lists the
-mesh axes a loss's annotations name: bitwise mode makes those that shard
-neither the batch nor the params (context parallelism: a ``seq`` axis) part of
-the group.
+A loss with no sharding and no ``shard_map`` in it runs as it is.
+:func:`activation_axes` lists the mesh axes a loss's annotations name and those
+its ``shard_map`` regions use: bitwise mode makes those that shard neither the
+batch nor the params (context parallelism: a ``seq`` axis) part of the group.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-import jax.extend.linear_util as lu
-import numpy as np
 from jax.extend import core
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -47,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from unsplit._src import frozen as frozen_lib
 from unsplit._src import partition
 from unsplit._src.audit import state as audit_state
-from unsplit._src.step import jaxpr_eval, settings, state_guard
+from unsplit._src.step import custom_rules, jaxpr_eval, manual, state_guard
 
 _CONSTRAINTS = ("sharding_constraint", "reshard", "mesh_cast")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -95,21 +93,37 @@ def retargeted(loss_fn, user_mesh, keep: tuple[str, ...], target=None):
     return loss
 
 
-def activation_axes(loss_fn, user_mesh, params, example, key) -> set[str]:
-    """The mesh axes the loss's sharding annotations name (traced on the user's mesh).
+class ActivationAxes(NamedTuple):
+    """The mesh axes a loss shards its activations over (beside the batch and params)."""
+
+    named: frozenset[str]  # named by its sharding annotations
+    manual: frozenset[str]  # used by its own shard_map regions (needed at any size)
+
+
+def activation_axes(loss_fn, user_mesh, params, example, key) -> ActivationAxes:
+    """The mesh axes the loss's sharding annotations name and its ``shard_map`` regions use
+    (traced on the user's mesh).
 
     ``params``, ``example`` and ``key`` are arrays or ``ShapeDtypeStruct``s of
-    one example. A loss that does not trace there gives ``set()`` (its error
+    one example. A loss that does not trace there gives no axes (its error
     comes where it runs).
     """
     leaves, treedef = jax.tree.flatten((params, example, key))
     mask = [_is_array(x) for x in leaves]
     closed, _ = _user_trace(frozen_lib.bound(loss_fn), treedef, leaves, mask, user_mesh)
     if closed is None:
-        return set()
-    found: set[str] = set()
-    _collect(closed.jaxpr, found)
-    return found & set(user_mesh.axis_names)
+        return ActivationAxes(frozenset(), frozenset())
+    named: set[str] = set()
+    regions: set[str] = set()
+    _collect(closed.jaxpr, named, regions)
+    axes = set(user_mesh.axis_names)
+    return ActivationAxes(frozenset(named & axes), frozenset(regions & axes))
+
+
+def on_user_mesh(user_mesh, fn):
+    """``fn()`` (a trace of the user's loss as written) on the user's mesh, unaudited."""
+    with audit_state.paused():
+        return custom_rules.on_mesh(user_mesh, fn)
 
 
 def _is_array(x: Any) -> bool:
@@ -140,7 +154,7 @@ def _user_trace(loss_fn, treedef, leaves, mask, user_mesh):
             return jax.make_jaxpr(traced, return_shape=True)(*avals)
 
     try:
-        closed, shape = _outside_manual(trace)
+        closed, shape = custom_rules.outside_manual(trace)
     except state_guard.DroppedStateError:
         raise
     except Exception:  # the loss runs as it is: its own error (if any) comes from there
@@ -148,52 +162,16 @@ def _user_trace(loss_fn, treedef, leaves, mask, user_mesh):
     return closed, jax.tree.structure(shape)
 
 
-def _outside_manual(fn):
-    """``fn()``, in a thread of its own when called inside a ``shard_map`` region (an FSDP
-    group's chunk program is manual over the chunk axes): the user's mesh cannot be
-    entered there, and JAX's trace and mesh contexts are per thread. The caller's other
-    settings (``jax.default_matmul_precision(...)`` around the step) go along: the
-    loss's jaxpr is traced there (:mod:`unsplit._src.step.settings`)."""
-    if AxisType.Manual not in tuple(jax.sharding.get_abstract_mesh().axis_types):
-        return fn()
-    return settings.in_thread(fn)
-
-
 def _user_aval(x: Any, user_mesh) -> jax.ShapeDtypeStruct:
-    aval = jax.typeof(x) if isinstance(x, jax.Array) else x
-    dtype, shape = aval.dtype, tuple(aval.shape)
-    weak = bool(getattr(aval, "weak_type", False))
-    spec = getattr(getattr(aval, "sharding", None), "spec", None)
-    explicit = [n for n, t in zip(*_axes(user_mesh), strict=True) if t == AxisType.Explicit]
-    if spec is None or not partition.spec_axes(_plain(spec)) & set(explicit):
-        return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
-    spec = partition.keep_axes(_plain(spec), explicit)
-    sharding = NamedSharding(user_mesh.abstract_mesh, spec)
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, weak_type=weak)
+    return custom_rules.user_struct(jax.typeof(x) if isinstance(x, jax.Array) else x, user_mesh)
 
 
 def _axes(mesh) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     return tuple(mesh.axis_names), tuple(mesh.axis_types)
 
 
-def _plain(spec: Any) -> P:
-    """``spec`` with ``P.UNCONSTRAINED`` entries as ``None`` (for reading axis names)."""
-    return P(*(None if e is P.UNCONSTRAINED else e for e in spec))
-
-
 def _shardings(params: dict) -> list[Any]:
     return [v for v in params.values() if isinstance(v, NamedSharding)]
-
-
-def _subjaxprs(params: dict) -> list[Any]:
-    found = []
-    for v in params.values():
-        for item in v if isinstance(v, tuple | list) else (v,):
-            if isinstance(item, core.ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, core.Jaxpr):
-                found.append(item)
-    return found
 
 
 def _has_sharding(jaxpr: core.Jaxpr, explicit: bool) -> bool:
@@ -202,19 +180,22 @@ def _has_sharding(jaxpr: core.Jaxpr, explicit: bool) -> bool:
     there: a loss with only those runs as it is, the same program as on one device."""
     for eqn in jaxpr.eqns:
         placed = isinstance(eqn.params.get("out_sharding"), NamedSharding)
-        if eqn.primitive.name in _CONSTRAINTS or (explicit and placed):
+        if eqn.primitive.name in _CONSTRAINTS or (explicit and placed) or manual.is_region(eqn):
             return True
-        if any(_has_sharding(j, explicit) for j in _subjaxprs(eqn.params)):
+        if any(_has_sharding(j, explicit) for j in jaxpr_eval.subjaxprs(eqn.params)):
             return True
     return False
 
 
-def _collect(jaxpr: core.Jaxpr, found: set[str]) -> None:
+def _collect(jaxpr: core.Jaxpr, named: set[str], regions: set[str]) -> None:
     for eqn in jaxpr.eqns:
+        if manual.is_region(eqn):
+            regions |= manual.used_axes(eqn.params)
+            continue  # inside, every value is per device: nothing to place
         for s in _shardings(eqn.params):
-            found |= partition.spec_axes(_plain(s.spec))
-        for j in _subjaxprs(eqn.params):
-            _collect(j, found)
+            named |= partition.spec_axes(partition.plain(s.spec))
+        for j in jaxpr_eval.subjaxprs(eqn.params):
+            _collect(j, named, regions)
 
 
 class _Rewrite:
@@ -268,26 +249,12 @@ class _Rewrite:
         spec = P(*(e if e is P.UNCONSTRAINED else _only(e, explicit) for e in spec))
         return NamedSharding(mesh, spec)
 
-    def custom(self, params: dict) -> dict:
-        """A custom_jvp call's params, its jvp rule's jaxpr moved like the body.
+    def trace(self, fn):
+        """``fn()`` on the user's mesh (custom rules are traced there)."""
+        return custom_rules.on_mesh(self.user, fn)
 
-        The rule is traced lazily, from the types it had on the user's mesh: it is
-        traced there, then again through :meth:`eval`.
-        """
-        new = dict(params, call_jaxpr=self.jaxpr_param(params["call_jaxpr"]))
-        field = "jvp_jaxpr_fun"
-        thunk = params[field]
-
-        def moved(*zeros):
-            def rule():
-                with jax.sharding.use_abstract_mesh(self.user.abstract_mesh):
-                    return thunk.call_wrapped(*zeros)
-
-            jaxpr, consts, *rest = _outside_manual(rule)
-            return (*self.retrace(jaxpr, consts), *rest)
-
-        new[field] = lu.wrap_init(moved, debug_info=thunk.debug_info)
-        return new
+    def struct(self, aval, dtype=None) -> jax.ShapeDtypeStruct:
+        return custom_rules.user_struct(aval, self.user, dtype)
 
     def jaxpr_param(self, value: Any) -> Any:
         return jaxpr_eval.nested(value, self.retrace)
@@ -304,14 +271,14 @@ class _Rewrite:
         spec = getattr(getattr(aval, "sharding", None), "spec", None)
         if spec is None or not explicit:
             return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=weak)
-        spec = P(*(_only(e, explicit) for e in _plain(self.spec(spec, mesh))))
+        spec = P(*(_only(e, explicit) for e in partition.plain(self.spec(spec, mesh))))
         sharding = NamedSharding(mesh, spec)
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding, weak_type=weak)
 
     def eval(self, jaxpr: core.Jaxpr, consts, *args) -> list[Any]:
         # Not under each equation's context: that holds the user's mesh, which this moves off;
         # a typed literal keeps that mesh too: read back as a plain value.
-        return jaxpr_eval.evaluate(jaxpr, consts, args, self.equation, literal=_plain_literal)
+        return jaxpr_eval.evaluate(jaxpr, consts, args, self.equation, literal=jaxpr_eval.plain)
 
     def equation(self, eqn: core.JaxprEqn, invals: list[Any]) -> Any:
         """One equation's outputs, its shardings on the program's mesh."""
@@ -324,18 +291,15 @@ class _Rewrite:
             body = params["jaxpr"]
             return self.eval(body.jaxpr, body.consts, *invals)
         if name == "custom_jvp_call":
-            return jaxpr_eval.bind(eqn, invals, self.custom(params))
+            return jaxpr_eval.bind(eqn, invals, custom_rules.moved_jvp(self, params))
         if name == "custom_vjp_call":
-            # Its bwd rule checks cotangents against the types on the user's mesh, which
-            # the program's values do not have: differentiated through its primal instead.
-            body = params["call_jaxpr"]
-            return self.eval(body.jaxpr, body.consts, *invals)
+            return custom_rules.moved_vjp(self, params, invals)
+        if manual.is_region(eqn):
+            return manual.moved(
+                params, invals, user=self.user, keep=self.keep, target=self.target,
+                sharding=self.param,
+            )  # fmt: skip
         return jaxpr_eval.bind(eqn, invals, {k: self.param(v) for k, v in params.items()})
-
-
-def _plain_literal(value: Any) -> Any:
-    """A literal's value without the mesh its type was traced on (a plain NumPy array)."""
-    return np.asarray(value).view(np.ndarray) if isinstance(value, np.ndarray) else value
 
 
 def _without(entry, axes) -> Any:

@@ -18,7 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # The outputs of one equation for its input values: a list for a primitive with multiple
 # results, else one value.
@@ -92,9 +95,19 @@ def bind(eqn: core.JaxprEqn, invals: Sequence[Any], params: dict | None = None) 
     return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
 
 
-def plain_aval(aval: Any) -> jax.ShapeDtypeStruct:
-    """An input's type for :func:`retrace`: its shape and dtype only."""
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+def plain_aval(aval: Any, dtype: Any = None) -> jax.ShapeDtypeStruct:
+    """An input's type for :func:`retrace`: its shape, dtype (or ``dtype``) and weak type,
+    and inside a ``shard_map`` region how it varies over the manual axes (its sharding:
+    the current region's mesh, nothing split)."""
+    dtype = aval.dtype if dtype is None else dtype
+    weak = bool(getattr(aval, "weak_type", False))
+    manual = getattr(aval, "mat", None)
+    if manual is None or not getattr(manual, "varying", ()):
+        return jax.ShapeDtypeStruct(aval.shape, dtype, weak_type=weak)
+    where = NamedSharding(jax.sharding.get_abstract_mesh(), P())
+    return jax.ShapeDtypeStruct(
+        aval.shape, dtype, weak_type=weak, sharding=where, manual_axis_type=manual
+    )
 
 
 def retrace(
@@ -125,3 +138,21 @@ def nested(value: Any, retrace: Retrace) -> Any:
     if isinstance(value, tuple) and any(isinstance(v, core.ClosedJaxpr) for v in value):
         return tuple(nested(v, retrace) for v in value)
     return value
+
+
+def subjaxprs(params: dict) -> list[core.Jaxpr]:
+    """The jaxprs in an equation's params (a ``scan``'s body, a ``cond``'s branches...)."""
+    found = []
+    for v in params.values():
+        for item in v if isinstance(v, tuple | list) else (v,):
+            if isinstance(item, core.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, core.Jaxpr):
+                found.append(item)
+    return found
+
+
+def plain(value: Any) -> Any:
+    """A literal's value without the mesh its type was traced on (a plain NumPy array):
+    for :func:`evaluate`'s ``literal`` where equations move to another mesh."""
+    return np.asarray(value).view(np.ndarray) if isinstance(value, np.ndarray) else value

@@ -79,7 +79,10 @@ def test_xla_spmd_partitioning_of_the_same_function_depends_on_the_degree():
 
 def test_a_degree_that_does_not_divide_the_blocks_is_refused():
     mesh = gmesh(4)
-    with pytest.raises(rewrite.BlockError, match=r"size 64 .* \(4 devices\) has 2 canonical.* Fix: a degree of at most 2"):
+    with pytest.raises(
+        rewrite.BlockError,
+        match=r"size 64 .* \(4 devices\) has 2 canonical.* Fix: a degree of at most 2",
+    ):
         rewrite.program(lambda x: (jnp.sum(x),), mesh, (X,), (P(None, "model"),), (P(),), blocks=2)
 
 
