@@ -125,6 +125,7 @@ class Plan:
     per_group: int  # chunks per group
     slots: int  # partial sums a group holds at most
     canonical_blocks: int = 8  # blocks of a dimension a model or sequence axis splits
+    region_axes: tuple[str, ...] = ()  # the axes of the loss's own shard_map regions
 
     @property
     def model_axes(self) -> tuple[str, ...]:
@@ -195,7 +196,8 @@ def make_plan(
     chunk_axes = tuple(a for a in chunk_axes if mesh.shape[a] > 1)
     # Axes that shard an example's activations but not the batch or the params (context
     # parallelism) compute a chunk together too, like model axes (step/constraints).
-    used |= _activation_axes(spec, structure, arrays, batch, key, layout)
+    activation, regions = _activation_axes(spec, structure, arrays, batch, key, layout)
+    used |= activation
     model = tuple(a for a in mesh.axis_names if a in used and a not in layout.batch_axes)
     group_axes = (*chunk_axes, *model)
     outer = tuple(a for a in layout.batch_axes if a not in chunk_axes)
@@ -232,6 +234,7 @@ def make_plan(
         per_group=per_group,
         slots=slots,
         canonical_blocks=blocks,
+        region_axes=regions,
     )
     return plan, arrays
 
@@ -252,7 +255,9 @@ def _check_dimensions(paths, specs, outer, group_axes, model) -> None:
                 )
 
 
-def _activation_axes(spec, structure, arrays, batch, key, layout: Layout) -> set[str]:
+def _activation_axes(spec, structure, arrays, batch, key, layout: Layout):
+    """The axes the loss's annotations and its own ``shard_map`` regions name (not batch
+    axes), and those of the regions alone."""
     """The mesh axes the loss's sharding annotations name or its ``shard_map`` regions use, other
     than batch axes."""
     example = jax.tree.map(
@@ -284,7 +289,9 @@ def _activation_axes(spec, structure, arrays, batch, key, layout: Layout) -> set
     # Every axis the loss names joins the group, size 1 too: the names fix the canonical
     # blocks (the bits of every degree); the loss's own shard_map axes always do.
     axes = manual | set(named)
-    return {a for a in axes if a not in layout.batch_axes}
+    return {a for a in axes if a not in layout.batch_axes}, tuple(
+        sorted(a for a in manual if a not in layout.batch_axes)
+    )
 
 
 def _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key) -> FlatPlan:

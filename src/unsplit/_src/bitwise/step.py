@@ -180,6 +180,9 @@ class BitwiseStep:
             return None
         if plan.devices_per_group > 1:
             return None
+        if plan.region_axes:  # its shard_map is declared on the user's mesh: not moved
+            paired.warn_unpaired(plan.model_axes, self._warned, region=True)
+            return None
         mesh = self.layout.required_mesh()
         twin = paired.paired_mesh(mesh, self.layout.batch_axes, plan.model_axes[0])
         if twin is None:

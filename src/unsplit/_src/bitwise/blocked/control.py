@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from unsplit._src.bitwise.blocked.values import Dims, Unsupported, V
+from unsplit._src.bitwise.blocked.values import Dims, Unsupported, V, dims_of
+from unsplit._src.step import jaxpr_eval
 
 
 def out_dims(rw, jaxpr, consts, ops: list[V]) -> list[Dims]:
@@ -131,7 +132,29 @@ def remat(rw, eqn, vals):
     return [V(o, d) for o, d in zip(outs, dims, strict=True)]
 
 
+def region(rw, eqn, vals):
+    """The loss's own ``shard_map`` (a ring attention) over axes this rewrite is manual over
+    already: its operands split as its in_specs say (exact), its body run on them as it was
+    traced (its collectives name axes that are manual here; its values are per device and
+    its own order of adds is the body's), its outputs split as its out_specs say."""
+    p = eqn.params
+    axes = set(p.get("manual_axes", p.get("newly_manual_axes", ())))
+    if not axes <= set(rw.axes):
+        raise Unsupported(f"a shard_map over {sorted(axes)}, axes this program is not manual over")
+
+    def dims(spec, ndim) -> Dims:
+        return tuple(tuple(n for n in d if n in rw.axes) for d in dims_of(spec, ndim))
+
+    local = [rw.to_dims(v, dims(s, len(v.dims))) for v, s in zip(vals, p["in_specs"], strict=True)]
+    body = p["jaxpr"]
+    consts = body.consts if hasattr(body, "consts") else ()
+    body = getattr(body, "jaxpr", body)
+    outs = jaxpr_eval.evaluate(body, consts, local, lambda e, xs: rw.bind(e, xs))
+    return [V(o, dims(s, np.ndim(o))) for o, s in zip(outs, p["out_specs"], strict=True)]
+
+
 RULES: dict[str, Any] = {
+    "shard_map": region,
     "cond": cond,
     "while": while_loop,
     "scan": scan,

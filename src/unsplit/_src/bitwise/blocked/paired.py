@@ -108,11 +108,22 @@ class Paired:
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
 
-def warn_unpaired(axes: tuple[str, ...], warned: set) -> None:
-    """Once per step: a degree-1 layout that could not be paired (one device)."""
+def warn_unpaired(axes: tuple[str, ...], warned: set, region: bool = False) -> None:
+    """Once per step: a degree-1 layout that could not be paired (one device, or a loss whose
+    own ``shard_map`` is declared on the user's mesh)."""
     if "unpaired" in warned:
         return
     warned.add("unpaired")
+    if region:
+        warnings.warn(
+            f"bitwise mode: the loss's own shard_map runs over {axes}, all of one device: this "
+            "step runs at degree 1, and its bits may differ from the same step at degrees 2, "
+            "4 and 8 (XLA compiles a one-device program differently; a region declared on "
+            "your mesh cannot move to a paired mesh). Fix: a sequence axis of 2 or more "
+            f"devices to compare degrees. See {links.doc_ref('bitwise')}.",
+            stacklevel=5,
+        )
+        return
     warnings.warn(
         f"bitwise mode: the params are sharded over model axes {axes} of one device each, and "
         "no second device is there to compute them at degree 2: this step's bits may differ "
