@@ -198,7 +198,10 @@ class Rewrite:
         self.gathered: list[str] = []  # the equations run on whole operands, by primitive
 
     def size(self, axes: tuple[str, ...]) -> int:
-        return math.prod(self.gmesh.shape[a] for a in axes) if axes else 1
+        if not axes:
+            return 1
+        assert self.gmesh is not None  # named axes come from a mesh
+        return math.prod(self.gmesh.shape[a] for a in axes)
 
     def run(self, jaxpr: core.Jaxpr, consts: Sequence, vals: Sequence[V]) -> list[V]:
         out = jaxpr_eval.evaluate(
@@ -284,6 +287,7 @@ class Rewrite:
         x = moves.gather(v.value, gather, self.axes)
         cut = P(*(partition.entry(t) if d != t else None for d, t in moved))
         block = tuple(n // self.size(t) for n, t in zip(shape, dims, strict=True))
+        assert self.gmesh is not None  # a split to change: named axes come from a mesh
         return moves.block_of(x, cut, block, self.gmesh.shape, lambda n: None, self.axes)
 
     def local_blocks(self, size: int, axes: tuple[str, ...]) -> int:

@@ -129,7 +129,9 @@ def _blocks(rw, named: list[Named], operands: list[Any], op) -> Any:
             out = rw.tree_sum(out, k, lead[k].axes)
             del lead[k]
     for k in reversed(range(len(lead))):  # kept: each blocks dim back beside its dimension
-        pos = len(lead) - 1 + lead[k].out  # the block's dim, counted with the leading ones
+        out_dim = lead[k].out
+        assert out_dim is not None  # the summed ones are gone
+        pos = len(lead) - 1 + out_dim  # the block's dim, counted with the leading ones
         out = jnp.moveaxis(out, k, pos)
         shape = list(out.shape)
         out = out.reshape(*shape[:pos], shape[pos] * shape[pos + 1], *shape[pos + 2 :])
