@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices and strict numerics, set before jax is imported."""
 
+import gc
 import os
 
 # XLA's backend (LLVM) optimizations off: compiling is most of a test's time here, and the
@@ -19,6 +20,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import pytest
+
+from unsplit._src.bitwise import cache
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -44,3 +47,19 @@ def _is_short(item) -> bool:
     return (
         item.get_closest_marker("slow") is None and item.get_closest_marker("multiprocess") is None
     )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop every compiled program JAX and unsplit hold.
+
+    The tests' loss functions live as long as the worker (module globals, cached
+    helpers), so the programs compiled for them would too: XLA's CPU runtime maps
+    each executable's code into the process, and a worker running the whole suite
+    reached the kernel's limit on mappings (``vm.max_map_count``, 65530), where the
+    next compile crashed with a segmentation fault.
+    """
+    yield
+    cache.clear()
+    jax.clear_caches()
+    gc.collect()

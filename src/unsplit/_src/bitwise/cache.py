@@ -34,6 +34,17 @@ from unsplit._src.step import memory, sums
 _EXECUTABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def clear() -> None:
+    """Drops every compiled program shared this way (the next call of a step compiles again).
+
+    Example:
+        >>> clear()
+        >>> len(_EXECUTABLES)
+        0
+    """
+    _EXECUTABLES.clear()
+
+
 def shared(spec: sums.LossSpec) -> dict:
     """The compiled programs of ``spec``'s loss function (every step built from it)."""
     try:
