@@ -25,8 +25,8 @@ from unsplit._src.audit.api import audit_step as audit_step
 from unsplit._src.audit.finding import AuditError as AuditError
 from unsplit._src.audit.finding import Finding as Finding
 from unsplit._src.audit.finding import PaddingWarning as PaddingWarning
+from unsplit._src.bitwise.canonical_sum import canonical_sum as canonical_sum
 from unsplit._src.bitwise.chunk_size import chunk_size_for as chunk_size_for
-from unsplit._src.bitwise.update import canonical_sum as canonical_sum
 from unsplit._src.dropout.functional import dropout as dropout
 from unsplit._src.front.options import Bitwise as Bitwise
 from unsplit._src.front.replay import ReplayReport as ReplayReport

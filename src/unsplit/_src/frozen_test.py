@@ -306,6 +306,9 @@ def test_combined_params_mark_frozen_leaves_not_differentiated():
     assert grads["n"] is None and grads["w"].shape == (2,)
 
 
+# The canonical blocks of these tiny dims (blocks of 2 elements) leave a few dots that XLA's
+# CPU client keeps on Eigen, and the bitwise step says so; the values are checked here.
+@pytest.mark.filterwarnings("ignore:bitwise mode. the compiled CPU chunk program still runs")
 @pytest.mark.parametrize("bitwise", [False, True])
 def test_a_tensor_parallel_frozen_keeps_its_model_axis(bitwise):
     adapter, base, x = make()

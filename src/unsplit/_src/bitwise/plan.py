@@ -33,76 +33,9 @@ from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import reduce
 from unsplit._src.bitwise.flat import FlatPlan
-from unsplit._src.step import constraints, sums, validate
+from unsplit._src.step import constraints, sums
 from unsplit._src.step.layout import Layout
 from unsplit._src.trees import canonical_dtype
-
-DEFAULT_CHUNK = 8
-
-
-def default_chunk_size(batch: int) -> int:
-    """``min(8, the largest power of two dividing batch)``: depends on the batch only.
-
-    The chunk size must not depend on the schedule (it fixes the bits), so the
-    default is a function of the global batch size alone.
-    """
-    return min(DEFAULT_CHUNK, batch & -batch)
-
-
-def check_chunk_size(chunk_size: Any) -> int | None:
-    """``chunk_size`` as an int >= 1, or None (the default)."""
-    return validate.check_positive_int(
-        "chunk_size", chunk_size, meaning="examples per chunk", allow_none=True
-    )
-
-
-def check_chunk_axes(
-    chunk_axes: Any, batch_axes: tuple[str, ...], mesh_axes: tuple[str, ...] | None = None
-) -> tuple[str, ...]:
-    """``chunk_axes`` as a tuple of batch axes, in ``batch_axes``' order (``()``: none).
-
-    They must be the last of the batch axes, so each group's rows are one
-    contiguous block of the global batch, split over the group in order.
-    """
-    if chunk_axes is None:
-        return ()
-    names = (chunk_axes,) if isinstance(chunk_axes, str) else chunk_axes
-    if not isinstance(names, tuple | list) or not all(isinstance(n, str) for n in names):
-        raise TypeError(
-            f"chunk_axes must be a mesh axis name or a tuple of names; got {chunk_axes!r}. "
-            "Fix: e.g. chunk_axes='fsdp' (one of batch_axes)."
-        )
-    names = tuple(names)
-    absent = [n for n in names if mesh_axes is not None and n not in mesh_axes]
-    if absent:
-        raise ValueError(
-            f"chunk_axes names axes the step's mesh does not have: {absent} (its axes: "
-            f"{tuple(mesh_axes or ())}). Fix: name the mesh axis whose devices compute each chunk "
-            "together (one of batch_axes), e.g. chunk_axes='fsdp' on a ('data', 'fsdp') mesh."
-        )
-    unknown = [n for n in names if n not in batch_axes]
-    if unknown or not names or len(set(names)) != len(names):
-        raise ValueError(
-            f"chunk_axes must be distinct batch axes; expected a subset of "
-            f"batch_axes={batch_axes}, got chunk_axes={chunk_axes!r}"
-            + (f" ({unknown} not in batch_axes)" if unknown else "")
-            + ". Fix: add the axis to batch_axes (the batch is split over the chunk axes "
-            "too), e.g. batch_axes=('data', 'fsdp'), chunk_axes='fsdp'."
-        )
-    ordered = tuple(a for a in batch_axes if a in names)
-    if batch_axes[len(batch_axes) - len(ordered) :] != ordered:
-        fixed = (*(a for a in batch_axes if a not in names), *ordered)
-        raise ValueError(
-            f"chunk_axes must be the last of the batch axes (each group's rows are then one "
-            f"block of the batch); got batch_axes={batch_axes}, chunk_axes={chunk_axes!r}. "
-            f"Fix: batch_axes={fixed} (the order of batch axes does not change the bits)."
-        )
-    return ordered
-
-
-def chunk_split(mesh: Mesh, chunk_axes: tuple[str, ...]) -> int:
-    """How many pieces a chunk's rows are split into: the chunk axes' devices (1 without)."""
-    return math.prod(mesh.shape[a] for a in chunk_axes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,7 @@ from unsplit._src.bitwise.runner import Runner
 from unsplit._src.step import sums
 from unsplit._src.step.layout import Layout, move_onto, named_spec
 
-default_chunk_size = bitwise_plan.default_chunk_size
+default_chunk_size = schedule.default_chunk_size
 
 
 class BitwiseStep:
@@ -64,7 +64,7 @@ class BitwiseStep:
         self.blocks = options.blocks
         self._twin: BitwiseStep | None = None  # degree-1 model layouts run on it at degree 2
         mesh_axes = tuple(layout.mesh.axis_names) if layout.mesh is not None else ()
-        self.chunk_axes = bitwise_plan.check_chunk_axes(
+        self.chunk_axes = schedule.check_chunk_axes(
             options.chunk_axes, layout.batch_axes, mesh_axes
         )
         if layout.mesh is None:  # one device: a one-device mesh, the same programs
@@ -75,7 +75,7 @@ class BitwiseStep:
             self.single = False
         self.layout = layout
         # How many devices compute each chunk together: the chunk size is a multiple of it.
-        self.chunk_split = bitwise_plan.chunk_split(layout.required_mesh(), self.chunk_axes)
+        self.chunk_split = schedule.chunk_split(layout.required_mesh(), self.chunk_axes)
         accelerators.warn_once_without_gpu_flags(layout.required_mesh().devices.flat)
         self._plans: dict[Any, Any] = {}
         self._warned: set[str] = set()

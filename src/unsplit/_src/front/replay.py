@@ -69,7 +69,9 @@ class StepRecord:
     """A step's digests: its inputs and its outputs (loss, aux, grads), leaf by leaf.
 
     ``layout`` says where it was recorded (for the report only); ``settings`` the
-    bitwise options that fix the bits (a replay with other ones is refused).
+    bitwise options that fix the bits (a replay with other ones is refused). ``save`` and
+    ``load`` keep it in a file; ``to_json`` and ``from_json`` in a string (a run's metadata,
+    a checkpoint's extra item).
     """
 
     inputs: dict[str, str]
@@ -101,7 +103,9 @@ class ReplayReport:
 
     ``rows`` are ``(leaf, recorded digest, replayed digest, equal)`` for the inputs
     (``['inputs']...``) then the outputs (``['outputs']...``); ``first_difference`` the first
-    leaf that differs (None when all match).
+    leaf that differs (None when all match). ``inputs_match`` tells whether the replay was
+    given the recorded inputs (params, batch, key, ids): when it was not, a difference in the
+    outputs says nothing about the layouts.
     """
 
     rows: list[tuple[str, str, str, bool]]

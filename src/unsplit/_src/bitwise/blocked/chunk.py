@@ -89,10 +89,14 @@ def chunk_sums(plan: Any, gmesh: jax.sharding.Mesh, fn, vectors, rows, key, bloc
 
     count = len(plan.sums_flat.vectors)
     n_aux = len(jax.tree.leaves(aux_shapes))
+    # The flat params vectors (each device its blocks), then the direct (frozen) leaves as
+    # they are placed on the group (each device its own shards of them).
+    flat = plan.params_flat
+    vector_specs = (P(gentry),) * len(flat.vectors) + tuple(flat.directs(plan.local_specs))
     sums, aux = jax.shard_map(
         local,
         mesh=gmesh,
-        in_specs=((P(gentry),) * len(vectors), [P()] * len(row_leaves)),
+        in_specs=(vector_specs, [P()] * len(row_leaves)),
         out_specs=((P(gentry),) * count, [P()] * n_aux),
         check_vma=False,
     )(tuple(vectors), row_leaves)
