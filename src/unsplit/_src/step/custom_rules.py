@@ -150,6 +150,8 @@ def moved_vjp(place: Place, params: dict, invals: list[Any]) -> list[Any]:
 
         def rule(*args):
             out = list(bwd.call_wrapped(*args))
+            if len(out) == 2 and isinstance(out[0], list):  # JAX 0.12.0.1+: (cotangents, logs)
+                out = out[0]
             zero[:] = [isinstance(o, ad.Zero) for o in out]
             return [o for o in out if not isinstance(o, ad.Zero)]
 
