@@ -71,9 +71,11 @@ def ring_attention(
     * with neither: on one device, blockwise (the same bits as the ring).
 
     Args:
-        query, key, value: ``[batch..., length, heads, depth]`` (each device's part).
-        bias, mask: not supported (a whole-sequence bias or mask cannot be split over
-            the ring): ``None``; pass ``is_causal=True`` for a causal mask.
+        query: ``[batch..., length, heads, depth]`` (each device's part).
+        key: as ``query``.
+        value: as ``query``.
+        bias: not supported (a whole-sequence bias cannot be split over the ring): ``None``.
+        mask: not supported, as ``bias``: ``None``; pass ``is_causal=True`` for a causal mask.
         broadcast_dropout: one ``(q, k)`` mask for every batch row and head (Flax's
             default), the mask of coordinate 0 of those axes.
         dropout_rng: a threefry key (``jax.random.key``), needed when dropping.
