@@ -33,7 +33,8 @@ the next one runs):
 8. ``others``: every other ``benchmarks/*_bench.py``, full size, tables written (a
    bench that needs more devices than the machine has fails fast, with its reason).
 
-``--parts`` picks parts (comma-separated, in the order above). Each part runs in a
+``--parts`` picks parts (comma-separated; they run in the order given, each with its
+share scaled up when the budget exceeds the shares of the parts picked). Each part runs in a
 process of its own: a TPU chip is held by one process at a time, a part that dies
 (out of memory, a crash) takes nothing else with it, and each starts with the
 device's memory free.
@@ -206,7 +207,9 @@ def probe() -> tuple[str, list[str]]:
     """The backend's platform and the report's heading, read in a process of its own (this
     one never opens the device: a TPU chip is held by one process at a time)."""
     status, out = run([sys.executable, "-c", PROBE], 180)
-    fields = [f.strip() for f in (out.strip().splitlines() or [""])[-1].split("|")]
+    # The probe's line, wherever the backend's warnings (on stderr, merged) put it.
+    lines = [line for line in out.splitlines() if line.count("|") == 3] or [""]
+    fields = [f.strip() for f in lines[-1].split("|")]
     if status != 0 or len(fields) != 4:
         return "unknown", [f"## Device check: no device found ({out.strip()[-500:]})"]
     platform_name, count, kind, version = fields
@@ -251,9 +254,11 @@ def main() -> int:
     write = platform_name not in ("cpu", "unknown") if args.write is None else args.write
     lines: list[str] = []
     skipped: list[str] = []
-    for part in (p for p in PARTS if p in parts):
+    for index, part in enumerate(parts):
         left = args.budget - (time.monotonic() - start) - RESERVE_S
-        share = min(PARTS[part], left)
+        # Its share, scaled up when the budget exceeds what the parts still to run ask for.
+        asked = sum(PARTS[p] for p in parts[index:])
+        share = min(PARTS[part] * max(1.0, left / asked), left)
         if share < 20:
             lines += ["", f"{part}: skipped (time)"]
             skipped.append(part)
