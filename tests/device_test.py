@@ -331,14 +331,13 @@ def test_the_precision_set_around_the_call_reaches_the_loss(bitwise):
 
 
 def wide_loss(w, x, key):
-    """One example's activations: an (R, C) outer product and its (R, R) Gram matrix.
+    """One example's activations: an (R, C) outer product, held whole.
 
-    The product makes XLA hold the whole outer product (a matmul's operand): an
-    elementwise loss would be fused into its sum on a TPU, leaving nothing per example
-    but the input (seen there: a "too big" batch whose input alone was 32 GiB)."""
-    hidden = jnp.tanh(x[:, None] * w[None, :])
-    gram = hidden @ hidden.T
-    return jnp.sum(gram * jax.random.uniform(key, gram.shape))
+    The optimization barrier keeps XLA from fusing the product into its consumers: on a
+    TPU it fused even a Gram matrix of it into the matmul and the sum (9,728 bytes per
+    example were left; the "too big" batch's input alone would have been 32 GiB)."""
+    hidden = jax.lax.optimization_barrier(jnp.tanh(x[:, None] * w[None, :]))
+    return jnp.sum(hidden * jax.random.uniform(key, hidden.shape))
 
 
 def free_bytes() -> int:
@@ -373,12 +372,15 @@ def test_the_memory_check_refuses_a_step_too_big_before_it_runs():
 
 
 def test_chunk_size_for_picks_a_chunk_that_runs_where_the_whole_share_does_not():
-    w, x, per_example = too_big_problem()
+    w, x, _ = too_big_problem()
     size = x.shape[0]
     with pytest.raises(MemoryError, match="it was not run"):
         unsplit.value_and_grad(wide_loss, bitwise=True, chunk_size=size)(w, x, KEY)
     step = unsplit.value_and_grad(wide_loss, bitwise=True)
     chunk = unsplit.chunk_size_for(size, 1, step=step, params=w, batch=x, key=KEY)
-    assert chunk < size and chunk * per_example <= free_bytes()
+    # Smaller than the share; that it fits is shown by running it (the memory check would
+    # refuse it). chunk * per_example overstates a chunk's need: it counts the outputs and
+    # the program's fixed buffers once per example.
+    assert 1 <= chunk < size
     loss, grads = unsplit.value_and_grad(wide_loss, bitwise=True, chunk_size=chunk)(w, x, KEY)
     assert np.isfinite(loss) and np.all(np.isfinite(grads))
