@@ -207,7 +207,13 @@ def probe() -> tuple[str, list[str]]:
     """The backend's platform and the report's heading, read in a process of its own (this
     one never opens the device: a TPU chip is held by one process at a time)."""
     status, out = run([sys.executable, "-c", PROBE], 180)
-    # The probe's line, wherever the backend's warnings (on stderr, merged) put it.
+    return heading(status, out)
+
+
+def heading(status: int | None, out: str) -> tuple[str, list[str]]:
+    """The platform and heading from the probe's exit status and output."""
+    # The probe's line, wherever the backend's warnings (on stderr, merged) put it: a TPU's
+    # runtime warns after the line is printed.
     lines = [line for line in out.splitlines() if line.count("|") == 3] or [""]
     fields = [f.strip() for f in lines[-1].split("|")]
     if status != 0 or len(fields) != 4:

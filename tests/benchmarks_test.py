@@ -159,3 +159,14 @@ def test_a_part_stopped_for_time_keeps_what_it_had_written(device_check, tmp_pat
     assert status is None and "row 1" in out
     status, out = device_check.run([sys.executable, "-c", "raise SystemExit(3)"], seconds=30)
     assert status == 3
+
+
+def test_the_reports_heading_names_the_device_among_the_backends_warnings(device_check):
+    # Seen on a TPU v5e: the runtime's warning came after the probe's line.
+    out = ("tpu | 1 | TPU v5 lite | jax 0.10.2, jaxlib 0.10.2\n"
+           "cloud_tpu_init.py:88: UserWarning: Transparent hugepages are not enabled.\n"
+           "  warnings.warn(\n")  # fmt: skip
+    platform_name, head = device_check.heading(0, out)
+    assert platform_name == "tpu"
+    assert head[0] == "## Device check: 1 x TPU v5 lite (tpu)"
+    assert device_check.heading(1, "Traceback ...\n")[0] == "unknown"
