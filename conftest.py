@@ -36,10 +36,30 @@ def standard_promotion():
         yield
 
 
+# A known gap (docs/bitwise.md, "Known issue"): at XLA's default CPU level, jnp.exp's bits
+# depend on the array's length (a vector loop's body vs its scalar tail), so programs that
+# compute the same canonical blocks at other degrees can differ in the last place there.
+_DEFAULT_LEVEL_GAP = pytest.mark.xfail(
+    os.environ.get("UNSPLIT_TEST_XLA_OPTIMIZE") == "1",
+    strict=False,
+    reason=(
+        "a known gap (CI finding, 2026-12-06): compiled at XLA's default CPU optimization "
+        "level (UNSPLIT_TEST_XLA_OPTIMIZE=1) on JAX 0.12.0.1 these bits differ in the last "
+        "place; at level 0 (the full suite) they are identical. Not yet fixed."
+    ),
+)
+
+
 def pytest_collection_modifyitems(items):
     """The long tests first (those marked ``slow`` or ``multiprocess``; the rest keep their
     order): pytest-xdist hands out tests in collection order, so a minute-long launch
-    collected last would leave one worker running it alone at the end of the suite."""
+    collected last would leave one worker running it alone at the end of the suite.
+
+    A test marked ``xla_default_level_gap`` is an expected failure (not strict) where the
+    tests compile at XLA's default level."""
+    for item in items:
+        if item.get_closest_marker("xla_default_level_gap") is not None:
+            item.add_marker(_DEFAULT_LEVEL_GAP)
     items.sort(key=_is_short)  # stable: False (long) before True
 
 

@@ -3,7 +3,6 @@ guide's), in both modes: the loss and grads of dense attention on one device, th
 bitwise mode across data degree and microbatches at one sequence degree."""
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -83,15 +82,7 @@ def test_the_ring_model_gives_dense_attentions_loss_and_grads(seq, bitwise):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    os.environ.get("UNSPLIT_TEST_XLA_OPTIMIZE") == "1",
-    strict=False,
-    reason=(
-        "a known gap (CI finding, 2026-12-06): compiled at XLA's default CPU optimization "
-        "level (UNSPLIT_TEST_XLA_OPTIMIZE=1) on JAX 0.12.0.1 these bits differ in the last "
-        "place; at level 0 (the full suite) they are identical. Not yet fixed."
-    ),
-)
+@pytest.mark.xla_default_level_gap
 def test_bitwise_bits_across_sequence_degrees_with_the_ring():
     # The ring's pieces merged in a fixed tree, the rest of the model in canonical blocks.
     ref = _run(1, 2, bitwise=True)

@@ -10,8 +10,6 @@
   whole over it, integer leaves, frozen inputs, the aux.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,15 +105,7 @@ def test_an_fsdp_groups_chunk_program_has_no_float_reduction_across_its_devices(
     assert " all-to-all(" not in text
 
 
-@pytest.mark.xfail(
-    os.environ.get("UNSPLIT_TEST_XLA_OPTIMIZE") == "1",
-    strict=False,
-    reason=(
-        "a known gap (CI finding, 2026-12-06): compiled at XLA's default CPU optimization "
-        "level (UNSPLIT_TEST_XLA_OPTIMIZE=1) on JAX 0.12.0.1 these bits differ in the last "
-        "place; at level 0 (the full suite) they are identical. Not yet fixed."
-    ),
-)
+@pytest.mark.xla_default_level_gap
 def test_a_group_of_g_gives_the_bits_of_one_device_groups_with_chunks_of_c_over_g():
     grouped, _, _ = run(mesh_of(2, 4), "fsdp", 8)  # 4 groups of 4 devices: 2 rows each
     alone, _, _ = run(mesh_of(2, 4), None, 2)  # 8 one-device groups, chunks of 2 rows
