@@ -128,17 +128,25 @@ class Program:
             return sums.example_sums(self.spec, structure, arrays, x[0], key, x[1], constrain_grads)
 
         def body(carry, x):
-            totals, aux = one(x)
-            return jax.tree.map(jnp.add, carry, totals), aux
+            (loss_s, weight_s, grads), aux = one(x)
+            return jax.tree.map(jnp.add, carry, grads), (loss_s, weight_s, aux)
 
-        # The carry has the grads' types, i.e. the params' (Explicit axes included).
+        # The carry has the grads' types, i.e. the params' (Explicit axes included). The loss
+        # and weight sums leave the scan per microbatch and are added after it in the same
+        # order: a carry for them would need their dtypes (the loss's) before the scan, i.e.
+        # a second trace of the loss's forward and backward.
         grad_zeros = [
             jnp.zeros_like(a, dtype=sums.wide_float(a.dtype)) for a in structure.diff_of(arrays)
         ]
-        (loss_s, weight_s, _), _ = jax.eval_shape(one, jax.tree.map(lambda a: a[0], xs))
-        zeros = (jnp.zeros((), loss_s.dtype), jnp.zeros((), weight_s.dtype))
-        totals, aux = jax.lax.scan(body, (*zeros, constrain_grads(grad_zeros)), xs)
+        grads, (loss_s, weight_s, aux) = jax.lax.scan(body, constrain_grads(grad_zeros), xs)
+        totals = (_sum_in_order(loss_s), _sum_in_order(weight_s), grads)
         return totals, jax.tree.map(layout.unmicrobatched, aux)
+
+
+def _sum_in_order(values: jax.Array) -> jax.Array:
+    """``((values[0] + values[1]) + values[2]) + ...``: a carried sum's order."""
+    total, _ = jax.lax.scan(lambda t, v: (t + v, None), values[0], values[1:])
+    return total
 
 
 def _place(x: jax.Array, layout: Layout) -> jax.Array:
