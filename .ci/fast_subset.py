@@ -27,7 +27,7 @@ WHOLE = (
 SKIP = ("tests/architecture_test.py",)
 
 # Test functions per module (in collection order): CI's whole run must stay within its time.
-FUNCTIONS = 3
+FUNCTIONS = 2
 
 # Negative controls show that a naive scheme (per-device keys, one key per microbatch, a mean
 # of means) gives other numbers, i.e. that the grids can fail: the full suite shows it once;
