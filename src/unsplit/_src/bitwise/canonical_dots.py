@@ -142,6 +142,9 @@ _OPERANDS = re.compile(r"\sdot\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
 _DTYPE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\w+)\[")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _LIBRARY = re.compile(r"calls=%?([\w.\-]+).*__ynn_fusion")
+# XLA 0.12.1+ emits small dots inside loop fusions (``wrapped_dot``): LLVM IR loops, each
+# output element's sum in one thread, as for matrix-vector dots (not Eigen's thread pool).
+_LOOP_FUSION = re.compile(r"kind=kLoop, calls=%?([\w.\-]+)")
 
 
 def _dims(line: str, name: str) -> set[int]:
@@ -168,10 +171,10 @@ def plain_ops(text: str) -> dict[str, list[str]]:
     ``text`` that Eigen runs, with bits that may depend on the thread count.
 
     Not listed: a dot inside a computation that a YNNPACK fusion calls (the
-    library path), a matrix-vector dot (an LLVM IR loop, not threaded), an
-    integer dot (exact in any order).
+    library path), a matrix-vector dot or a dot in a loop fusion (an LLVM IR loop,
+    not threaded over its sums), an integer dot (exact in any order).
     """
-    library = set(_LIBRARY.findall(text))
+    library = set(_LIBRARY.findall(text)) | set(_LOOP_FUSION.findall(text))
     shapes = {
         m.group(1): [int(d) for d in m.group(2).split(",") if d]
         for m in map(_DEFINITION.match, text.splitlines())

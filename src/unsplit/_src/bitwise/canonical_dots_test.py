@@ -14,6 +14,9 @@ import pytest
 from unsplit._src import test_util as testing
 from unsplit._src.bitwise import canonical_dots
 
+# XLA's CPU compiler with no YNNPACK fusion: dots on Eigen, the path the guard must catch.
+_YNN_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
 
 def _params():
     k = jax.random.split(jax.random.key(3), 3)
@@ -55,14 +58,16 @@ def test_rewrite_keeps_values_and_leaves_no_eigen_dot():
     assert testing.rel_l2(compiled(_params(), x), reference) < 1e-5
     assert not any(canonical_dots.plain_ops(compiled.as_text()).values())
     canonical_dots.check_cpu_program(compiled)  # no error, no warning
-    # The program as XLA compiles it by default runs its weight-gradient dots on Eigen.
-    plain = jax.jit(f).lower(_params(), x).compile()
+    # Without the YNNPACK dot fusions the program runs its weight-gradient dots on Eigen
+    # (XLA's default before JAX 0.12.1; since then XLA's default takes YNNPACK for them too).
+    plain = jax.jit(f).lower(_params(), x).compile(compiler_options=_YNN_OFF)
     assert canonical_dots.plain_ops(plain.as_text())["dot"]
 
 
 def test_guard_names_the_eigen_dots_and_the_fix():
     f = jax.grad(lambda w, x: jnp.sum((x @ w) ** 2))
-    compiled = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((256, 64))).compile()
+    lowered = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((256, 64)))
+    compiled = lowered.compile(compiler_options=_YNN_OFF)
     with pytest.warns(UserWarning, match=r"(?s)Eigen path.*Expected: every dot.*got:.*Fix:"):
         canonical_dots.check_cpu_program(compiled)
 
@@ -110,7 +115,10 @@ _SCRIPT = textwrap.dedent(
     """
     import os, sys, json
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=" + sys.argv[1]
+    # No YNNPACK fusion unless a compile asks for it (the canonical programs do): the plain
+    # program's dots then run on Eigen, as XLA's default did for them before JAX 0.12.1.
+    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=" + sys.argv[1]
+                               + " --xla_cpu_experimental_ynn_fusion_type=")
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh
@@ -158,6 +166,9 @@ def _bits(devices: int) -> dict:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
 def test_same_bits_whatever_the_thread_count():
     one, many = _bits(1), _bits(16)  # thread pools of 1 and 16 threads
-    # Negative control: without canonical dots the weight gradients differ.
-    assert one["False"] != many["False"]
     assert one["True"] == many["True"]
+    # Negative control: without canonical dots the weight gradients differ -- measured up to
+    # JAX 0.12.0; on JAX 0.12.1 XLA's CPU dots gave the same bits at 1 and 16 threads here,
+    # on Eigen too (this test runs in the full suite, on the oldest JAX).
+    if jax.__version_info__ < (0, 12, 1):
+        assert one["False"] != many["False"]

@@ -314,7 +314,7 @@ def output_shardings(plan: Any, mesh: Mesh, single: bool) -> tuple[list, Any]:
     """The grads' shardings (the params' as given) and the loss's, on the user's mesh (one
     device's for a step without a mesh)."""
     if single:
-        device = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+        device = jax.sharding.make_single_device_sharding(mesh.devices.flat[0])
         return [device] * sum(plan.structure.diff), device
     specs = [s for s, d in zip(plan.given, plan.structure.diff, strict=True) if d]
     return [NamedSharding(mesh, s) for s in specs], NamedSharding(mesh, P())

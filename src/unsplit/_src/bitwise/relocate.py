@@ -120,7 +120,7 @@ class Replicas:
     Example:
         >>> import jax, jax.numpy as jnp
         >>> d0, d1 = jax.devices()[:2]
-        >>> one = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(d0))
+        >>> one = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=jax.sharding.make_single_device_sharding(d0))
         >>> program = Replicas(jax.jit(lambda w: w * 2).lower(one).compile(), [d0, d1])
         >>> a, b = program([(jax.device_put(jnp.ones(3), d0),), (jax.device_put(jnp.arange(3.0), d1),)])
         >>> a.tolist(), b.tolist(), b.devices() == {d1}
@@ -184,7 +184,7 @@ class OnEveryDevice:
 
     def __init__(self, jitted: Any, mesh: jax.sharding.Mesh, device: Any):
         self.jitted, self.mesh = jitted, mesh
-        self.device = jax.sharding.SingleDeviceSharding(device)
+        self.device = jax.sharding.make_single_device_sharding(device)
         me = jax.process_index()
         self.devices = [d for d in mesh.devices.flat if d.process_index == me]
         self.whole = jax.sharding.NamedSharding(mesh, jax.P())

@@ -86,7 +86,7 @@ def test_one_launch_on_every_device_gives_the_bits_of_the_one_device_program():
     replicated = jax.NamedSharding(mesh, jax.P())
     w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)), replicated)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 64)), replicated)
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one = jax.sharding.make_single_device_sharding(jax.devices()[0])
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one) for a in (w, x)]
 
     def f(w, x):

@@ -129,7 +129,7 @@ def _sharding(x: Any) -> str:
     sharding = x.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         return f"{sharding.spec} over {dict(sharding.mesh.shape)}"
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    if len(sharding.device_set) == 1:
         return "one device"
     return type(sharding).__name__
 

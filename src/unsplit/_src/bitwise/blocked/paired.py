@@ -75,7 +75,7 @@ class Paired:
         self.mesh = mesh
         if single:
             device = outer_mesh.devices.flat[0]
-            self.back = jax.sharding.SingleDeviceSharding(device)
+            self.back = jax.sharding.make_single_device_sharding(device)
             self.grads_back = [self.back] * sum(diff)
             self.rows_back = self.back
         else:
