@@ -39,6 +39,7 @@ import jax
 from jax.extend import core
 from jax.extend.core import primitives
 
+from unsplit._src.bitwise import dot_transposes
 from unsplit._src.step import jaxpr_eval
 
 # YNNPACK fusions for dots only. Not ELTWISE (which XLA's CPU default has): elementwise
@@ -103,7 +104,8 @@ def _retrace(jaxpr: core.Jaxpr, consts) -> tuple[core.Jaxpr, list[Any]]:
 
 
 def _eval(jaxpr: core.Jaxpr, consts, *args) -> list[Any]:
-    return jaxpr_eval.evaluate(jaxpr, consts, args, _equation, eqn_context=True)
+    rewrite = dot_transposes.folded(jaxpr, _equation)
+    return jaxpr_eval.evaluate(jaxpr, consts, args, rewrite, eqn_context=True)
 
 
 def _equation(eqn: core.JaxprEqn, invals: list[Any]) -> Any:

@@ -107,10 +107,7 @@ class FlatPlan:
         for a, dtype, (v, _) in zip(arrays, dtypes, slots, strict=True):
             data = jax.random.key_data(a) if jnp.issubdtype(dtype, jax.dtypes.prng_key) else a
             parts[v].append(jnp.ravel(data).astype(self.vectors[v]))
-        return [
-            jnp.concatenate(p) if p else jnp.zeros((0,), d)
-            for p, d in zip(parts, self.vectors, strict=True)
-        ]
+        return [_joined(p, d) for p, d in zip(parts, self.vectors, strict=True)]
 
     def unpack(self, vectors: Sequence[jax.Array]) -> list[jax.Array]:
         """Every array back, in order: from the flat vectors (exact: slices and reshapes),
@@ -137,6 +134,24 @@ class FlatPlan:
         """Every array in order, from those that were packed and the direct ones."""
         packed_it, direct_it = iter(packed), iter(directs)
         return [next(direct_it) if alone else next(packed_it) for alone in self.direct]
+
+
+def _joined(parts: Sequence[jax.Array], dtype: Any) -> jax.Array:
+    """``jnp.concatenate(parts)``, written as each part put in place in a zero vector.
+
+    XLA:CPU emits a concatenate fused with its producers as one vectorized loop over the
+    whole output that evaluates the operands at every element (masked): with a
+    gradient's tree sums among the parts, a chunk program's pack took 10x its dots
+    (measured: 130 vs 19 ms on 8 simulated devices for a 1M-element pack). An update-slice
+    per part computes each part over its own elements. The first update (into zeros) is
+    simplified into a pad, which evaluates its operand over the whole output the same
+    way: it takes the largest part. Data movement only: the same vector, bit for bit.
+    """
+    offsets = np.cumsum([0, *(p.shape[0] for p in parts)])
+    out = jnp.zeros((int(offsets[-1]),), dtype)
+    for k in sorted(range(len(parts)), key=lambda k: -parts[k].shape[0]):
+        out = jax.lax.dynamic_update_slice(out, parts[k], (int(offsets[k]),))
+    return out
 
 
 def _storage(dtype: Any) -> tuple[Any, int]:

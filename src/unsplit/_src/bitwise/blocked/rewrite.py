@@ -58,6 +58,7 @@ from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
+from unsplit._src.bitwise import dot_transposes
 from unsplit._src.bitwise.blocked import control, moves, rules
 from unsplit._src.bitwise.blocked.values import (
     DEFAULT_BLOCKS,
@@ -204,8 +205,9 @@ class Rewrite:
         return math.prod(self.gmesh.shape[a] for a in axes)
 
     def run(self, jaxpr: core.Jaxpr, consts: Sequence, vals: Sequence[V]) -> list[V]:
+        rewrite = dot_transposes.folded(jaxpr, self.equation)
         out = jaxpr_eval.evaluate(
-            jaxpr, [replicated(c) for c in consts], vals, self.equation, literal=_plain_literal
+            jaxpr, [replicated(c) for c in consts], vals, rewrite, literal=_plain_literal
         )
         return [v if isinstance(v, V) else replicated(v) for v in out]  # a literal output too
 
