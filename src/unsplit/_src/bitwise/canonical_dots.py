@@ -39,8 +39,7 @@ import jax
 from jax.extend import core
 from jax.extend.core import primitives
 
-from unsplit._src.bitwise import dot_transposes
-from unsplit._src.step import jaxpr_eval
+from unsplit._src.step import dot_transposes, jaxpr_eval
 
 # YNNPACK fusions for dots only. Not ELTWISE (which XLA's CPU default has): elementwise
 # ops give the same bits at any thread count in XLA's own loop fusions (measured: the test

@@ -58,7 +58,6 @@ from jax.extend import core
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
-from unsplit._src.bitwise import dot_transposes
 from unsplit._src.bitwise.blocked import control, moves, rules
 from unsplit._src.bitwise.blocked.values import (
     DEFAULT_BLOCKS,
@@ -70,7 +69,7 @@ from unsplit._src.bitwise.blocked.values import (
     dims_of,
     replicated,
 )
-from unsplit._src.step import jaxpr_eval
+from unsplit._src.step import dot_transposes, jaxpr_eval
 
 __all__ = ["BlockError", "Rewrite", "Unsupported", "V", "dims_of", "program", "replicated"]
 

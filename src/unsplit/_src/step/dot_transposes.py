@@ -17,7 +17,7 @@ transpose become one dot of the swapped operands, given to the rewrite as a
 
 Example:
     >>> import jax, jax.numpy as jnp
-    >>> from unsplit._src.bitwise import dot_transposes
+    >>> from unsplit._src.step import dot_transposes
     >>> from unsplit._src.step import jaxpr_eval
     >>> def weight_grad(g, x):  # contracts the batch dim: (3, 5), then transposed
     ...     return jax.lax.dot_general(g, x, (((0,), (0,)), ((), ()))).T
@@ -36,7 +36,7 @@ Example:
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 from jax.extend import core
 from jax.sharding import NamedSharding
@@ -48,7 +48,7 @@ from unsplit._src.step.jaxpr_eval import Rewrite
 def _swapping_permutation(eqn: core.JaxprEqn) -> tuple[int, ...]:
     """The permutation of a dot's output that puts its right free dims before its left."""
     (lc, _), (lb, _) = eqn.params["dimension_numbers"]
-    lhs, rhs = (v.aval.ndim for v in eqn.invars)
+    lhs, rhs = (len(cast(Any, v.aval).shape) for v in eqn.invars)
     nb, nlf = len(lb), lhs - len(lc) - len(lb)
     nrf = rhs - len(lc) - len(lb)
     return (*range(nb), *range(nb + nlf, nb + nlf + nrf), *range(nb, nb + nlf))
