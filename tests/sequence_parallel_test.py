@@ -8,7 +8,6 @@ sequence degree; the activations per device fall with the sequence degree.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -69,13 +68,13 @@ def test_bits_identical_across_data_degree_and_microbatches_at_a_fixed_seq_degre
         assert unsplit.testing.bits_equal(jax.device_get(_run(data, 2, k)), ref), (data, k)
 
 
-# Known gap: 4 positions per device over 8 devices give other bits when XLA's backend
-# optimizations are off (the suite's setting); at XLA's default level (./dev test-newest,
-# what users run) they agree. Strict: it fails loudly once fixed.
+# Known gap: 4 positions per device over 8 devices (one canonical block per device) give
+# other bits. Bitwise mode's CPU programs are compiled at XLA's backend level 0 at every
+# setting (canonical_dots.EXACT_ELEMENTWISE), so it shows wherever it runs. Strict: it fails
+# loudly once fixed.
 _SEQ8 = pytest.mark.xfail(
-    os.environ.get("UNSPLIT_TEST_XLA_OPTIMIZE") != "1", strict=True,
-    reason="seq=8 at --xla_backend_optimization_level=0: other bits (under investigation)",
-)  # fmt: skip
+    strict=True, reason="seq=8 (one canonical block per device): other bits (under investigation)"
+)
 
 
 @pytest.mark.parametrize(

@@ -104,12 +104,13 @@ def program(
     *,
     blocks: int = DEFAULT_BLOCKS,
     gather_unsupported: bool = True,
+    compiler_options: dict | None = None,
 ):
     """``jax.jit`` of ``fn`` run manual over ``gmesh`` with the canonical-block rewrite.
 
     ``args`` are ``fn``'s arguments (arrays or shape-dtype structs: the whole
     shapes), ``in_specs`` and ``out_specs`` trees of specs over ``gmesh``'s axes,
-    shaped like ``args`` and ``fn``'s outputs.
+    shaped like ``args`` and ``fn``'s outputs; ``compiler_options`` go to ``jax.jit``.
     """
     local, mapped_specs, unflatten = manual(
         fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=gather_unsupported
@@ -118,7 +119,10 @@ def program(
     mapped = jax.shard_map(
         local, mesh=gmesh, in_specs=tuple(ins), out_specs=list(outs), check_vma=False
     )
-    run = jax.jit(lambda *trees: unflatten(mapped(*jax.tree.leaves(trees))))
+    run = jax.jit(
+        lambda *trees: unflatten(mapped(*jax.tree.leaves(trees))),
+        compiler_options=compiler_options,
+    )
     run.trace(*args)  # raises Unsupported / BlockError now, not on the first call
     return run
 

@@ -52,6 +52,7 @@ from typing import Any
 
 import jax
 
+from unsplit._src.bitwise import canonical_dots
 from unsplit._src.bitwise.blocked import rewrite
 from unsplit._src.bitwise.blocked.values import DEFAULT_BLOCKS, BlockError, Unsupported
 
@@ -72,6 +73,10 @@ def program(
     structs: the whole shapes), ``in_specs`` and ``out_specs`` trees of specs over the
     group axes. Raises :class:`Unsupported` or :class:`BlockError` when the update holds
     an equation the rewrite cannot run on the blocks."""
+    # On CPU its elementwise math compiled as written: a group of another size computes the
+    # same elements on arrays of other lengths (canonical_dots.EXACT_ELEMENTWISE).
+    cpu = canonical_dots.is_cpu(gmesh.devices.flat)
     return rewrite.program(
-        fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=False
-    )
+        fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=False,
+        compiler_options=canonical_dots.EXACT_ELEMENTWISE if cpu else None,
+    )  # fmt: skip

@@ -64,7 +64,15 @@ def run(name, data, size=4):
     return update, jax.device_get((params, opt_state))
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize(
+    "name",
+    [
+        # Found at XLA's default level (2026-12-06): a group of 8, one canonical block of each
+        # leaf per device, changes 5-7 elements of Adafactor's factored update of w2.
+        pytest.param(n, marks=pytest.mark.xla_default_level_gap) if n == "adafactor" else n
+        for n in OPTIMIZERS
+    ],
+)
 def test_the_update_has_the_same_bits_for_groups_of_2_4_and_8_devices(name):
     # Every sum over an FSDP-split dimension is one of canonical blocks, whatever the
     # group's size (each leaf's first dimension, 16 or 32, has 8 of them).
