@@ -88,6 +88,16 @@ def _pairs(jaxpr: core.Jaxpr) -> dict[int, core.JaxprEqn]:
     return pairs
 
 
+_SWAPPED: dict[int, core.JaxprEqn] = {}  # id -> each swapped dot equation (held: ids stay unique)
+
+
+def is_swapped(eqn: core.JaxprEqn) -> bool:
+    """Whether ``eqn`` is a dot :func:`folded` made by swapping another's operands (a rewrite
+    that chooses by operand order, e.g. which operand's split a contracted pair keeps,
+    chooses as for the original dot)."""
+    return _SWAPPED.get(id(eqn)) is eqn
+
+
 def folded(jaxpr: core.Jaxpr, rewrite: Rewrite) -> Rewrite:
     """``rewrite`` for ``jaxpr``'s equations, each foldable dot-then-transpose pair given
     to it as one ``dot_general`` of the swapped operands (see the module docstring)."""
@@ -102,7 +112,12 @@ def folded(jaxpr: core.Jaxpr, rewrite: Rewrite) -> Rewrite:
             return rewrite(eqn, invals)
         if eqn.primitive.name == "transpose":
             return done.pop(id(eqn))
-        out = rewrite(_swapped(eqn, partner), invals[::-1])
+        swapped = _swapped(eqn, partner)
+        _SWAPPED[id(swapped)] = swapped
+        try:
+            out = rewrite(swapped, invals[::-1])
+        finally:
+            del _SWAPPED[id(swapped)]
         done[id(partner)] = out
         return out  # read only by the transpose, which takes ``out`` as it is
 

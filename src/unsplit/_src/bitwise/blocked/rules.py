@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from unsplit._src.bitwise.blocked.values import Dims, Unsupported, V, block_count
+from unsplit._src.step import dot_transposes
 
 
 def elementwise(rw, eqn, vals: list[V]) -> Any:
@@ -215,18 +216,21 @@ def _as_int(collective):
     return lambda x, axes: collective(x.astype(np.int32), axes).astype(x.dtype)
 
 
-def _dot_dims(lhs: V, rhs: V, numbers) -> tuple[list, list]:
+def _dot_dims(lhs: V, rhs: V, numbers, swapped: bool = False) -> tuple[list, list]:
     """How both operands of a dot are split: a contracted or batch pair alike (the left's
     split, else the right's), and no axis twice in an operand or in the output (a free
-    dimension that would repeat one is taken whole: exact)."""
+    dimension that would repeat one is taken whole: exact). ``swapped``: a dot whose
+    operands were swapped (``dot_transposes``) chooses as the original did (the right
+    operand first)."""
     (lc, rc), (lb, rb) = numbers
     ldims, rdims = list(lhs.dims), list(rhs.dims)
     for i, j in (*zip(lc, rc, strict=True), *zip(lb, rb, strict=True)):
-        ldims[i] = rdims[j] = ldims[i] or rdims[j]
+        ldims[i] = rdims[j] = (rdims[j] or ldims[i]) if swapped else (ldims[i] or rdims[j])
     lfree = [k for k in range(len(ldims)) if k not in (*lc, *lb)]
     rfree = [k for k in range(len(rdims)) if k not in (*rc, *rb)]
     used = {a for k in (*lc, *lb) for a in ldims[k]}
-    for dims, free in ((ldims, lfree), (rdims, rfree)):
+    order = ((rdims, rfree), (ldims, lfree)) if swapped else ((ldims, lfree), (rdims, rfree))
+    for dims, free in order:
         for k in free:
             if used & set(dims[k]):
                 dims[k] = ()
@@ -240,7 +244,7 @@ def dot_general(rw, eqn, vals):
     lhs, rhs = vals
     numbers = eqn.params["dimension_numbers"]
     (lc, rc), (lb, rb) = numbers
-    ldims, rdims = _dot_dims(lhs, rhs, numbers)
+    ldims, rdims = _dot_dims(lhs, rhs, numbers, dot_transposes.is_swapped(eqn))
     lx, rx = rw.to_dims(lhs, tuple(ldims)), rw.to_dims(rhs, tuple(rdims))
     lwhole = rw.whole_shape(V(lx, tuple(ldims)))
     rwhole = rw.whole_shape(V(rx, tuple(rdims)))
