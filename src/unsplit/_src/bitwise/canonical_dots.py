@@ -54,9 +54,9 @@ from unsplit._src.step import dot_transposes, jaxpr_eval
 # polynomial, differs the same way). Programs of other tensor, sequence or FSDP-group
 # degrees compute the same canonical blocks on arrays of other lengths, so their bits
 # differed in the last place. Level 0 emits every multiply and add as it is written.
-EXACT_ELEMENTWISE: dict[str, str | bool | int] = {"xla_backend_optimization_level": 0}
+EXACT_ELEMENTWISE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
 
-CPU_OPTIONS: dict[str, str | bool | int] = {  # the type jax's compile() takes
+CPU_OPTIONS: dict[str, str | bool] = {  # the type jax's compile() takes
     "xla_cpu_experimental_ynn_fusion_type": (
         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
     ),

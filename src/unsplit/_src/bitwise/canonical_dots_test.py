@@ -194,3 +194,41 @@ def test_canonical_chunk_programs_compute_weight_gradients_without_a_transpose()
     assert moved, "expected the activations' operand transposes"
     assert all(8 in (int(m), int(n)) for m, n in moved), moved
     np.testing.assert_allclose(fn(w, x), jax.grad(_tanh_loss)(w, x), rtol=1e-5, atol=1e-5)
+
+
+_FMA_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import jax, numpy as np
+    from unsplit._src.bitwise import canonical_dots
+
+    rng = np.random.default_rng(0)
+    x, y, z = (rng.normal(size=20000).astype(np.float32) for _ in range(3))
+    two = (x * y).astype(np.float32) + z  # each operation rounded
+    one = (x.astype(np.float64) * y + z).astype(np.float32)  # a fused multiply-add
+    pick = two != one
+    args = (x[pick], y[pick], z[pick])
+    fn = lambda x, y, z: x * y + z
+    out = {}
+    for name, options in (("xla", None), ("exact", canonical_dots.EXACT_ELEMENTWISE)):
+        got = np.asarray(jax.jit(fn, compiler_options=options)(*args))
+        out[name] = [float(np.mean(got == two[pick])), float(np.mean(got == one[pick]))]
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow  # a fresh process at XLA's default level (the suite compiles at level 0)
+def test_bitwise_cpu_programs_round_every_multiply_and_add():
+    # At XLA's default CPU level a multiply feeding an add is one fused multiply-add, so
+    # the bits follow XLA's fusion choices (other programs at other degrees: other bits).
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(
+        [sys.executable, "-c", _FMA_SCRIPT], capture_output=True, text=True, timeout=120,
+        env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["exact"] == [1.0, 0.0]  # every element rounded after the multiply
+    assert out["xla"] == [0.0, 1.0]  # negative control: XLA's default level fuses them
+    assert canonical_dots.EXACT_ELEMENTWISE.items() <= canonical_dots.CPU_OPTIONS.items()
