@@ -36,21 +36,21 @@ def standard_promotion():
         yield
 
 
-# A known gap (docs/bitwise.md, "Known issue"): at XLA's default CPU level, XLA:CPU contracts
-# a multiply and an add into one fused multiply-add in a vectorized loop's body but not in
-# its scalar remainder, so programs that compute the same canonical blocks on arrays of other
-# lengths differed in the last place. Bitwise mode's CPU chunk and grouped-update programs are
-# now compiled at backend level 0 (canonical_dots.EXACT_ELEMENTWISE): the marked tests pass at
-# the default level on JAX 0.10.2; kept non-strict until seen on the newest JAX. The Adafactor
-# group-of-8 case is a separate finding (one canonical block per device).
+# A known gap (docs/bitwise.md, "XLA's CPU optimization level"): at XLA's default CPU level,
+# XLA:CPU fuses multiplies and adds into FMAs by fusion and vectorizes exp by length, so
+# programs that compute the same canonical blocks at other degrees differed in the last
+# place. Bitwise mode's CPU chunk and grouped-update programs now compile at backend level 0
+# (canonical_dots.EXACT_ELEMENTWISE): the marked tests pass at the default level on JAX
+# 0.10.2; kept non-strict until seen on the newest JAX. The Adafactor group-of-8 case is a
+# separate finding (one canonical block per device).
 _DEFAULT_LEVEL_GAP = pytest.mark.xfail(
     os.environ.get("UNSPLIT_TEST_XLA_OPTIMIZE") == "1",
     strict=False,
     reason=(
         "a known gap (CI finding, 2026-12-06): compiled at XLA's default CPU optimization "
         "level (UNSPLIT_TEST_XLA_OPTIMIZE=1) these bits differed in the last place (XLA:CPU's "
-        "fused multiply-adds in vector loops, not in their scalar remainders); bitwise CPU "
-        "programs now compile at level 0. Kept non-strict until seen on the newest JAX."
+        "fused multiply-adds follow its fusions); bitwise CPU programs now compile at level 0. "
+        "Kept non-strict until seen on the newest JAX."
     ),
 )
 

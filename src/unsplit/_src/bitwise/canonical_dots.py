@@ -46,14 +46,14 @@ from unsplit._src.step import dot_transposes, jaxpr_eval
 # transformer's bitwise grads at 1 and 16 threads), and with it the test transformer's
 # chunk program needed 2x the temp memory (7.7 vs 3.9 MiB, with or without the rewrite) and
 # ran about 1.15x slower. Not REDUCE (not needed for the guarantee, not measured).
-# XLA:CPU at its default backend optimization level contracts a multiply feeding an add
-# into one fused multiply-add (one rounding) in a vectorized loop's body, but not in the
-# loop's scalar remainder (two roundings): an element's bits then depend on the array's
-# length and the element's place in it (measured: `x * y + z` over 4099 floats is the fused
-# result for every element; over 3 or 5 floats, the two-rounding one; XLA's `exp`, a
-# polynomial, differs the same way). Programs of other tensor, sequence or FSDP-group
-# degrees compute the same canonical blocks on arrays of other lengths, so their bits
-# differed in the last place. Level 0 emits every multiply and add as it is written.
+# XLA:CPU at its default backend optimization level fuses each multiply that feeds an add
+# in the same fusion into one fused multiply-add (one rounding instead of two: `x * y + z`
+# gives the fused result for every element, measured), so an element's bits follow XLA's
+# fusion choices, which differ between programs of other shapes; and its vectorized `exp`
+# gives other bits than its scalar loop, so they follow the array's length too. Programs of
+# other tensor, sequence or FSDP-group degrees compute the same canonical blocks in other
+# fusions and lengths: their bits differed in the last place. Level 0 rounds every operation
+# as written and does not vectorize (the price: slower elementwise code).
 EXACT_ELEMENTWISE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
 
 CPU_OPTIONS: dict[str, str | bool] = {  # the type jax's compile() takes
