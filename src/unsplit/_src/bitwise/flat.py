@@ -146,12 +146,23 @@ def _joined(parts: Sequence[jax.Array], dtype: Any) -> jax.Array:
     per part computes each part over its own elements. The first update (into zeros) is
     simplified into a pad, which evaluates its operand over the whole output the same
     way: it takes the largest part. Data movement only: the same vector, bit for bit.
+    Parts typed on an Explicit mesh are concatenated (an update-slice would need the zero
+    vector on that mesh too); chunk programs run manual or on one device.
     """
+    if any(map(_on_explicit_axes, parts)):
+        return jnp.concatenate(parts)
     offsets = np.cumsum([0, *(p.shape[0] for p in parts)])
     out = jnp.zeros((int(offsets[-1]),), dtype)
     for k in sorted(range(len(parts)), key=lambda k: -parts[k].shape[0]):
         out = jax.lax.dynamic_update_slice(out, parts[k], (int(offsets[k]),))
     return out
+
+
+def _on_explicit_axes(x: jax.Array) -> bool:
+    """Whether ``x``'s type carries an Explicit mesh (shardings in types: an update-slice's
+    operand and update must have the same one, a new zero vector has none)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
 def _storage(dtype: Any) -> tuple[Any, int]:

@@ -53,3 +53,15 @@ def test_the_compiled_pack_has_no_concatenate_of_its_computed_parts():
     naive = jax.jit(lambda a, b: jnp.concatenate(parts(a, b))).lower(a, b).compile().as_text()
     assert " concatenate(" in naive
     assert " concatenate(" not in ours
+
+
+def test_pack_of_arrays_typed_on_an_explicit_mesh():
+    # Shardings in types: the parts are concatenated (an update-slice into a new zero vector
+    # would mix that mesh with none).
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, jax.P()))
+    y = jax.device_put(jnp.ones((2, 3)), jax.NamedSharding(mesh, jax.P()))
+    plan = FlatPlan.of([x, y])
+    with jax.set_mesh(mesh):
+        (packed,) = jax.jit(plan.pack)([x, y])
+    np.testing.assert_array_equal(packed, np.concatenate([np.arange(8.0), np.ones(6)]))

@@ -6,9 +6,9 @@ gradient for ``w`` is ``dot(g, x)`` transposed). XLA folds that transpose into t
 dot's output layout; bitwise mode cannot let it (each dot is fenced, so that XLA
 neither merges nor reorders it: :mod:`~unsplit._src.bitwise.canonical_dots`,
 :mod:`~unsplit._src.bitwise.blocked.rules`), and the transpose was then copied
-element by element, fused into the flat gradient vector's pack: 118 ms for the
-1024 x 4096 weight of ``benchmarks/degrees_bench.py`` on 8 simulated devices,
-more than its dots. The dot of the swapped operands computes the transposed
+element by element, fused into the flat gradient vector's pack: 118 ms for a
+1024 x 4096 weight on 8 simulated devices (the degrees benchmark's MLP), more
+than its dots. The dot of the swapped operands computes the transposed
 output directly (each element the same products, ``b * a`` for ``a * b``).
 
 :func:`folded` wraps an equation rewrite for one jaxpr: such a dot and its
