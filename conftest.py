@@ -36,35 +36,10 @@ def standard_promotion():
         yield
 
 
-# A known gap (docs/bitwise.md, "XLA's CPU optimization level"): at XLA's default CPU level,
-# XLA:CPU fuses multiplies and adds into FMAs by fusion and vectorizes exp by length, so
-# programs that compute the same canonical blocks at other degrees differed in the last
-# place. Bitwise mode's CPU chunk and grouped-update programs now compile at backend level 0
-# (canonical_dots.EXACT_ELEMENTWISE): the marked tests pass at the default level on JAX
-# 0.10.2; kept non-strict until seen on the newest JAX. The Adafactor group-of-8 case is a
-# separate finding (one canonical block per device).
-_DEFAULT_LEVEL_GAP = pytest.mark.xfail(
-    os.environ.get("UNSPLIT_TEST_XLA_OPTIMIZE") == "1",
-    strict=False,
-    reason=(
-        "a known gap (CI finding, 2026-12-06): compiled at XLA's default CPU optimization "
-        "level (UNSPLIT_TEST_XLA_OPTIMIZE=1) these bits differed in the last place (XLA:CPU's "
-        "fused multiply-adds follow its fusions); bitwise CPU programs now compile at level 0. "
-        "Kept non-strict until seen on the newest JAX."
-    ),
-)
-
-
 def pytest_collection_modifyitems(items):
     """The long tests first (those marked ``slow`` or ``multiprocess``; the rest keep their
     order): pytest-xdist hands out tests in collection order, so a minute-long launch
-    collected last would leave one worker running it alone at the end of the suite.
-
-    A test marked ``xla_default_level_gap`` is an expected failure (not strict) where the
-    tests compile at XLA's default level."""
-    for item in items:
-        if item.get_closest_marker("xla_default_level_gap") is not None:
-            item.add_marker(_DEFAULT_LEVEL_GAP)
+    collected last would leave one worker running it alone at the end of the suite."""
     items.sort(key=_is_short)  # stable: False (long) before True
 
 

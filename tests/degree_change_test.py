@@ -60,7 +60,6 @@ def run(state, data, model, steps):
     return params, opt_state
 
 
-@pytest.mark.xla_default_level_gap
 def test_a_run_that_changes_degree_mid_run_ends_in_the_one_device_runs_bits(tmp_path):
     start = (PARAMS, optax.adamw(1e-2).init(PARAMS))
     whole = jax.device_get(run(placed(1, 1, start), 1, 1, range(STEPS)))

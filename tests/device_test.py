@@ -101,11 +101,6 @@ def test_bitwise_bits_over_microbatches_and_devices():
     assert unsplit.testing.bits_equal(jax.device_get(step(host_params(), host_batch(), KEY)), first)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 39 finding (CPU test: bitwise/step_test.py): a one-device Explicit mesh "
-    "(jax.make_mesh's default) compiles another chunk program, with other bits",
-)
 def test_a_one_device_explicit_mesh_gives_the_bits_of_no_mesh():
     def fresh():  # a loss function of its own: programs compiled for it alone
         return lambda p, ex, k: LOSS(p, ex, k)

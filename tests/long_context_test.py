@@ -82,7 +82,6 @@ def test_the_ring_model_gives_dense_attentions_loss_and_grads(seq, bitwise):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xla_default_level_gap
 def test_bitwise_bits_across_sequence_degrees_with_the_ring():
     # The ring's pieces merged in a fixed tree, the rest of the model in canonical blocks.
     ref = _run(1, 2, bitwise=True)

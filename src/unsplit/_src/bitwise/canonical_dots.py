@@ -18,7 +18,7 @@ tested with ``T`` = 1 and 16 in fresh processes):
    reordered operands and on the output so XLA cannot fold the transposes
    back. It walks ``jit``, ``custom_jvp``/``custom_vjp``, ``remat``, ``scan``,
    ``cond``, ``while`` and ``shard_map`` bodies.
-2. :data:`CPU_OPTIONS` sends those dots to the YNNPACK library path, which
+2. :func:`cpu_options` sends those dots to the YNNPACK library path, which
    does not split by ``T``.
 
 :func:`check_cpu_program` then refuses a compiled CPU program that still holds
@@ -36,16 +36,12 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core
 from jax.extend.core import primitives
 
 from unsplit._src.step import dot_transposes, jaxpr_eval
 
-# YNNPACK fusions for dots only. Not ELTWISE (which XLA's CPU default has): elementwise
-# ops give the same bits at any thread count in XLA's own loop fusions (measured: the test
-# transformer's bitwise grads at 1 and 16 threads), and with it the test transformer's
-# chunk program needed 2x the temp memory (7.7 vs 3.9 MiB, with or without the rewrite) and
-# ran about 1.15x slower. Not REDUCE (not needed for the guarantee, not measured).
 # XLA:CPU at its default backend optimization level fuses each multiply that feeds an add
 # in the same fusion into one fused multiply-add (one rounding instead of two: `x * y + z`
 # gives the fused result for every element, measured), so an element's bits follow XLA's
@@ -53,21 +49,48 @@ from unsplit._src.step import dot_transposes, jaxpr_eval
 # gives other bits than its scalar loop, so they follow the array's length too. Programs of
 # other tensor, sequence or FSDP-group degrees compute the same canonical blocks in other
 # fusions and lengths: their bits differed in the last place. Level 0 rounds every operation
-# as written and does not vectorize (the price: slower elementwise code).
-EXACT_ELEMENTWISE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
+# as written and does not vectorize (the price: slower elementwise code). Not all of it:
+# XLA:CPU still computes some functions in more than one way at level 0, chosen by the
+# fusion (measured on 512 elements: tanh, rsqrt, erf, erfc, atan); `tanh` is rewritten
+# (:func:`_tanh`), the others are left as XLA computes them.
+_EXACT_ELEMENTWISE: dict[str, str | bool | int] = {"xla_backend_optimization_level": "0"}
 
-CPU_OPTIONS: dict[str, str | bool] = {  # the type jax's compile() takes
+# YNNPACK fusions for dots only. Not ELTWISE (which XLA's CPU default has): elementwise
+# ops give the same bits at any thread count in XLA's own loop fusions (measured: the test
+# transformer's bitwise grads at 1 and 16 threads), and with it the test transformer's
+# chunk program needed 2x the temp memory (7.7 vs 3.9 MiB, with or without the rewrite) and
+# ran about 1.15x slower. Not REDUCE (not needed for the guarantee, not measured).
+_DOTS_ON_THE_LIBRARY: dict[str, str | bool | int] = {
     "xla_cpu_experimental_ynn_fusion_type": (
         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
     ),
-    **EXACT_ELEMENTWISE,
 }
+
+
+def exact_elementwise() -> dict[str, str | bool | int]:
+    """The compile options under which XLA:CPU rounds every elementwise operation of a
+    program as written, in every fusion and at every length: backend level 0 (no fused
+    multiply-adds, no vectorized loops). ``tanh`` needs :func:`canonicalize` too.
+
+    Example:
+        >>> from unsplit._src.bitwise import canonical_dots
+        >>> canonical_dots.exact_elementwise()
+        {'xla_backend_optimization_level': '0'}
+    """
+    return dict(_EXACT_ELEMENTWISE)
+
+
+def cpu_options() -> dict[str, str | bool | int]:
+    """Bitwise mode's CPU chunk programs' compile options: dots on the YNNPACK library path,
+    elementwise ops exact (:func:`exact_elementwise`). The type ``compile()`` takes."""
+    return {**_DOTS_ON_THE_LIBRARY, **exact_elementwise()}
+
 
 _INLINED = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 def is_cpu(devices) -> bool:
-    """Do these devices run XLA's CPU client (the only one whose dots :data:`CPU_OPTIONS` fix)?"""
+    """Do these devices run XLA's CPU client (the only one whose dots :func:`cpu_options` fix)?"""
     return all(d.platform == "cpu" for d in devices)
 
 
@@ -108,6 +131,20 @@ def _canonical_dot(lhs, rhs, *, dimension_numbers, **params):
     return jax.lax.optimization_barrier(out)
 
 
+def _tanh(x):
+    """``tanh(x)`` from ``expm1`` and exactly rounded operations, one code path wherever it
+    runs. XLA:CPU computes its own ``tanh`` in more than one way, chosen by the fusion it
+    lands in: measured at backend level 0 (JAX 0.10.2 and 0.12.1), the same elements gave
+    other bits in 176 of 512 alone than fused with a transpose and a concatenate (the
+    canonical blocks put back in place), so a model's tanh at 8 sequence devices (one
+    block each) gave other gradients than at 4. ``expm1`` gave the same bits in both.
+    Measured within 7 ulp of the exact value over 1.2M samples (XLA's own: 5); odd, with
+    -0.0, +-inf and NaN kept."""
+    wide = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.float32
+    t = jnp.expm1(-2 * jnp.abs(x.astype(wide)))  # in (-1, 0]
+    return jnp.copysign(-t / (t + 2), x.astype(wide)).astype(x.dtype)
+
+
 def _retrace(jaxpr: core.Jaxpr, consts) -> tuple[core.Jaxpr, list[Any]]:
     """``jaxpr`` (with ``consts``) traced again through :func:`_eval`: the same types."""
     return jaxpr_eval.retrace(jaxpr, consts, _eval)
@@ -123,6 +160,8 @@ def _equation(eqn: core.JaxprEqn, invals: list[Any]) -> Any:
     name = eqn.primitive.name
     if eqn.primitive is primitives.dot_general_p:
         return _canonical_dot(*invals, **eqn.params)
+    if name == "tanh" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
+        return _tanh(*invals)
     if name in _INLINED:  # post-AD: the primal computation, nothing differentiates it
         body: Any = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
         return _eval(body.jaxpr, body.consts, *invals)

@@ -55,7 +55,7 @@ def test_rewrite_keeps_values_and_leaves_no_eigen_dot():
     x = jax.random.normal(jax.random.key(4), (16, 32))
     reference = jax.jit(f)(_params(), x)
     lowered = jax.jit(canonical_dots.canonicalize(f)).lower(_params(), x)
-    compiled = lowered.compile(compiler_options=canonical_dots.CPU_OPTIONS)
+    compiled = lowered.compile(compiler_options=canonical_dots.cpu_options())
     # Rounding only: the elementwise ops run in XLA's loops, not YNNPACK's (as by default).
     assert testing.rel_l2(compiled(_params(), x), reference) < 1e-5
     assert not any(canonical_dots.plain_ops(compiled.as_text()).values())
@@ -84,7 +84,7 @@ def test_integer_dots_pass_and_complex_dots_warn():
     compiled = (
         jax.jit(canonical_dots.canonicalize(f))
         .lower(a, b)
-        .compile(compiler_options=canonical_dots.CPU_OPTIONS)
+        .compile(compiler_options=canonical_dots.cpu_options())
     )
     found = canonical_dots.plain_ops(compiled.as_text())
     assert not found["dot"]
@@ -101,7 +101,7 @@ def test_convolutions_warn():
     compiled = (
         jax.jit(canonical_dots.canonicalize(jax.grad(conv)))
         .lower(w, x)
-        .compile(compiler_options=canonical_dots.CPU_OPTIONS)
+        .compile(compiler_options=canonical_dots.cpu_options())
     )
     if not canonical_dots.plain_ops(compiled.as_text())["convolution"]:
         pytest.skip("this XLA runs no convolution on Eigen")
@@ -189,7 +189,7 @@ def test_canonical_chunk_programs_compute_weight_gradients_without_a_transpose()
     w = jnp.asarray(rng.normal(size=(64, 128)) / 8, jnp.float32)
     x = jnp.asarray(rng.normal(size=(8, 64)), jnp.float32)
     fn = jax.jit(canonical_dots.canonicalize(jax.grad(_tanh_loss)))
-    text = fn.lower(w, x).compile(canonical_dots.CPU_OPTIONS).as_text()
+    text = fn.lower(w, x).compile(canonical_dots.cpu_options()).as_text()
     moved = re.findall(r"f32\[(\d+),(\d+)\]\{[\d,]+\} transpose\(", text)
     assert moved, "expected the activations' operand transposes"
     assert all(8 in (int(m), int(n)) for m, n in moved), moved
@@ -210,7 +210,7 @@ _FMA_SCRIPT = textwrap.dedent(
     args = (x[pick], y[pick], z[pick])
     fn = lambda x, y, z: x * y + z
     out = {}
-    for name, options in (("xla", None), ("exact", canonical_dots.EXACT_ELEMENTWISE)):
+    for name, options in (("xla", None), ("exact", canonical_dots.exact_elementwise())):
         got = np.asarray(jax.jit(fn, compiler_options=options)(*args))
         out[name] = [float(np.mean(got == two[pick])), float(np.mean(got == one[pick]))]
     print(json.dumps(out))
@@ -231,4 +231,57 @@ def test_bitwise_cpu_programs_round_every_multiply_and_add():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["exact"] == [1.0, 0.0]  # every element rounded after the multiply
     assert out["xla"] == [0.0, 1.0]  # negative control: XLA's default level fuses them
-    assert canonical_dots.EXACT_ELEMENTWISE.items() <= canonical_dots.CPU_OPTIONS.items()
+    assert canonical_dots.exact_elementwise().items() <= canonical_dots.cpu_options().items()
+
+
+def _put_back(a, b):
+    """Two [16, 16] blocks of rows back in place, as the canonical-block rewrite puts them
+    (a stack, a transpose, a reshape): XLA fuses them with the op that reads the result."""
+    stacked = jnp.stack([a.reshape(4, 4, 16), b.reshape(4, 4, 16)])
+    return jnp.moveaxis(stacked, 0, 1).reshape(4, 8, 16)
+
+
+_SIGNED = (np.random.default_rng(0).normal(size=512) * 3).astype(np.float32)
+
+
+def _three_ways(fn, x, options):
+    """``fn`` of the same elements: alone (512 of them), one at a time, and fused with the
+    blocks' put-back; each as computed under ``options``."""
+    alone = jax.jit(fn, compiler_options=options)
+    one = np.array([np.asarray(alone(x[i : i + 1]))[0] for i in range(0, x.size, 4)])
+    a, b = x[:256].reshape(16, 16), x[256:].reshape(16, 16)
+    fused = jax.jit(lambda a, b: fn(_put_back(a, b)), compiler_options=options)(a, b)
+    put = jax.jit(_put_back)(alone(a), alone(b))
+    return np.asarray(alone(x)), one, np.asarray(fused), np.asarray(put)
+
+
+def test_a_chunk_programs_tanh_has_one_code_path():
+    # XLA:CPU computed tanh in more than one way at level 0, chosen by the fusion: tanh at 8
+    # sequence devices (one canonical block each, alone in its fusion) gave other gradients
+    # than at 4 (fused with the blocks' put-back). The chunk programs' tanh is expm1's.
+    alone, one, fused, put = _three_ways(
+        canonical_dots.canonicalize(jnp.tanh), _SIGNED, canonical_dots.cpu_options()
+    )
+    np.testing.assert_array_equal(one, alone[::4])
+    np.testing.assert_array_equal(fused, put)
+    # Negative control: XLA's own tanh, at level 0 too.
+    alone, one, fused, put = _three_ways(jnp.tanh, _SIGNED, canonical_dots.exact_elementwise())
+    assert np.any(fused != put) or np.any(one != alone[::4])
+
+
+def test_the_chunk_programs_tanh_is_tanh():
+    rng = np.random.default_rng(1)
+    scales = (1e-6, 1e-3, 0.1, 1.0, 3.0, 10.0)
+    x = np.concatenate([rng.normal(size=20000).astype(np.float32) * s for s in scales])
+    got = np.asarray(jax.jit(canonical_dots.canonicalize(jnp.tanh))(x), np.float64)
+    exact = np.tanh(x.astype(np.float64))
+    ulps = np.abs(got - exact) / np.spacing(np.abs(exact).astype(np.float32))
+    assert ulps.max() <= 8, ulps.max()  # XLA's own tanh: up to 5 here
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-30, -1e-30], np.float32)
+    out = np.asarray(jax.jit(canonical_dots.canonicalize(jnp.tanh))(special))
+    want = np.array([0.0, -0.0, 1.0, -1.0, np.nan, 1e-30, -1e-30], np.float32)
+    np.testing.assert_array_equal(out, want)
+    assert np.signbit(out[1]) and not np.signbit(out[0])
+    half = jax.jit(canonical_dots.canonicalize(jnp.tanh))(x[:100].astype(jnp.bfloat16))
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(half, np.float32), exact[:100], atol=1e-2)

@@ -234,7 +234,7 @@ def lower_chunk(fn, args, devices):
     if CANONICAL_DOTS and canonical_dots.is_cpu(devices):
         return jax.jit(canonical_dots.canonicalize(fn), keep_unused=True).lower(
             *args
-        ), canonical_dots.CPU_OPTIONS
+        ), canonical_dots.cpu_options()
     return jax.jit(fn, keep_unused=True).lower(*args), None
 
 

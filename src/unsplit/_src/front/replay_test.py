@@ -32,7 +32,6 @@ def recorded():
     return unsplit.record_step(step, params, BATCH, KEY, step_number=3)
 
 
-@pytest.mark.xla_default_level_gap
 @pytest.mark.parametrize(("data", "model"), [(1, 8), (4, 1), (1, 1)])
 def test_a_step_recorded_at_model_degree_2_replays_bit_for_bit(recorded, data, model, tmp_path):
     path = tmp_path / "step3.json"

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from unsplit._src.bitwise.blocked import moves
 from unsplit._src.bitwise.blocked.values import Dims, Unsupported, V, block_count
 from unsplit._src.step import dot_transposes
 
@@ -150,7 +151,8 @@ def tree_reduce(x: Any, axes) -> Any:
     """``jnp.sum(x, axes)`` as a fixed tree of elementwise adds (halves added, zero-padded to
     a power of two), never XLA's ``reduce``: XLA emits a reduce fused with its neighbours,
     and the order of its adds depends on them (measured on CPU: a LayerNorm's sum gave
-    other bits at another tensor-parallel degree, its producers being other ops)."""
+    other bits at another tensor-parallel degree, its producers being other ops). The
+    sum within one canonical block; :func:`canonical_sum` adds blocks."""
     for a in sorted(axes, reverse=True):
         n = x.shape[a]
         size = 1 << max(n - 1, 0).bit_length()
@@ -165,27 +167,77 @@ def tree_reduce(x: Any, axes) -> Any:
     return x
 
 
-def summed(rw, eqn, x: Any) -> Any:
-    """A ``reduce_sum`` equation on ``x``: a float sum as :func:`tree_reduce`, else XLA's."""
+def canonical_sum(x: Any, axes, blocks: int) -> Any:
+    """``jnp.sum(x, axes)`` of a whole (unsplit) value as the split value's sum is computed:
+    one axis at a time, the innermost first, each as its canonical blocks' sums
+    (:func:`tree_reduce`) added in the canonical tree. A dimension split over devices at
+    one degree and whole at another (too few elements to split there) so gets the same
+    bits: measured, an FSDP group of 8 holding Adafactor's 8-element factor whole summed
+    it in another order than groups of 2 and 4 holding it split."""
+    for a in sorted(axes, reverse=True):
+        n = x.shape[a]
+        count = block_count(n, blocks)
+        if count == 1:
+            x = tree_reduce(x, (a,))
+            continue
+        x = x.reshape(*x.shape[:a], count, n // count, *x.shape[a + 1 :])
+        x = tree_reduce(x, (a + 1,))  # each block's own sum
+        x = moves.fixed_sum(jnp.moveaxis(x, a, 0), _add)  # the blocks in the canonical tree
+    return x
+
+
+def _add(a, b):
+    return a + b
+
+
+def summed(rw, eqn, x: Any, axes=None) -> Any:
+    """A ``reduce_sum`` equation on whole ``x`` (or over ``axes`` of it): a float sum as
+    :func:`canonical_sum`, else XLA's."""
+    axes = tuple(eqn.params["axes"]) if axes is None else tuple(axes)
     if jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return tree_reduce(x, eqn.params["axes"]).astype(eqn.outvars[0].aval.dtype)
-    return rw.bind(eqn, [x], _no_out_sharding(eqn.params))
+        return canonical_sum(x, axes, rw.blocks).astype(eqn.outvars[0].aval.dtype)
+    return rw.bind(eqn, [x], {**_no_out_sharding(eqn.params), "axes": axes})
 
 
 def reduce_sum(rw, eqn, vals):
-    """Per canonical block of every split dimension: a reduce of the block's shape; the
-    blocks of reduced dimensions added in the canonical tree."""
+    """One reduced axis at a time, the innermost first (the order :func:`canonical_sum`
+    takes on a whole value): a split axis per canonical block of it (a reduce of the
+    block's shape, :func:`tree_reduce`) with the blocks added in the canonical tree; a
+    whole axis as :func:`canonical_sum`. Other split dimensions stay split."""
     (x,) = vals
-    reduced = set(eqn.params["axes"])
+    floating = jnp.issubdtype(x.value.dtype, jnp.floating) or jnp.issubdtype(
+        x.value.dtype, jnp.complexfloating
+    )
+    if not floating:  # exact in any order: one reduce of each block's shape
+        return _reduce_axes(rw, eqn, x, tuple(eqn.params["axes"]))
+    for a in sorted(eqn.params["axes"], reverse=True):
+        x = _reduce_axes(rw, eqn, x, (a,))
+    return x
+
+
+def _reduce_axes(rw, eqn, x: V, axes: tuple[int, ...]) -> V:
+    """``x`` summed over ``axes`` (one float axis, or any integer axes)."""
+    reduced = set(axes)
     whole = rw.whole_shape(x)
     kept = [k for k in range(len(x.dims)) if k not in reduced]
     named = []
-    for k, axes in enumerate(x.dims):
-        if axes:
-            count = rw.local_blocks(whole[k], axes)
+    for k, split in enumerate(x.dims):
+        if split:
+            count = rw.local_blocks(whole[k], split)
             size = np.shape(x.value)[k] // count
-            named.append(Named(k, None, axes, count, size, kept.index(k) if k in kept else None))
-    out = _blocks(rw, named, [x.value], lambda b: summed(rw, eqn, b))
+            named.append(Named(k, None, split, count, size, kept.index(k) if k in kept else None))
+    whole_axes = tuple(a for a in axes if not x.dims[a])
+
+    def block_sum(b):
+        if not (
+            jnp.issubdtype(b.dtype, jnp.floating) or jnp.issubdtype(b.dtype, jnp.complexfloating)
+        ):
+            return rw.bind(eqn, [b], {**_no_out_sharding(eqn.params), "axes": axes})
+        if whole_axes:  # the one axis, whole here
+            return canonical_sum(b, axes, rw.blocks).astype(eqn.outvars[0].aval.dtype)
+        return tree_reduce(b, axes).astype(eqn.outvars[0].aval.dtype)  # one block of it
+
+    out = _blocks(rw, named, [x.value], block_sum)
     return V(out, tuple(x.dims[k] for k in kept))
 
 

@@ -74,9 +74,9 @@ def program(
     group axes. Raises :class:`Unsupported` or :class:`BlockError` when the update holds
     an equation the rewrite cannot run on the blocks."""
     # On CPU its elementwise math compiled as written: a group of another size computes the
-    # same elements on arrays of other lengths (canonical_dots.EXACT_ELEMENTWISE).
+    # same elements on arrays of other lengths (canonical_dots.exact_elementwise).
     cpu = canonical_dots.is_cpu(gmesh.devices.flat)
     return rewrite.program(
         fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=False,
-        compiler_options=canonical_dots.EXACT_ELEMENTWISE if cpu else None,
+        compiler_options=canonical_dots.exact_elementwise() if cpu else None,
     )  # fmt: skip

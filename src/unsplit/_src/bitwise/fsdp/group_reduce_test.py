@@ -105,7 +105,6 @@ def test_an_fsdp_groups_chunk_program_has_no_float_reduction_across_its_devices(
     assert " all-to-all(" not in text
 
 
-@pytest.mark.xla_default_level_gap
 def test_a_group_of_g_gives_the_bits_of_one_device_groups_with_chunks_of_c_over_g():
     grouped, _, _ = run(mesh_of(2, 4), "fsdp", 8)  # 4 groups of 4 devices: 2 rows each
     alone, _, _ = run(mesh_of(2, 4), None, 2)  # 8 one-device groups, chunks of 2 rows
