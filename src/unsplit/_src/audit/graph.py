@@ -184,7 +184,7 @@ class Walker:
     def _scan(self, eqn: Any, ins: list[Node], ctx: Ctx) -> list[Node]:
         p = eqn.params
         jaxpr, consts = _unpack(p["jaxpr"])
-        n_consts, n_carry = _scan_counts(p)
+        n_consts, n_carry = scan_counts(p)
         marker = Origin("loop", "scan", ctx.site_of(eqn), tag=(ctx.path, id(eqn)))
         body_consts = ins[:n_consts]
         carry = [n.info for n in ins[n_consts : n_consts + n_carry]]
@@ -315,7 +315,7 @@ def used_as_key(eqn: Any) -> list[int]:
     return []
 
 
-def _scan_counts(params: dict) -> tuple[int, int]:
+def scan_counts(params: dict) -> tuple[int, int]:
     """A scan's (consts, carry) input counts: ``num_consts``/``num_carry`` (JAX <= 0.11), or
     the lengths of the first two groups of ``ft_in`` (JAX 0.12: consts, carry, xs)."""
     if "num_consts" in params:

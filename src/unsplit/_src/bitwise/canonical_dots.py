@@ -31,12 +31,14 @@ other backends compile the program as it is.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core
 from jax.extend.core import primitives
 
@@ -51,36 +53,57 @@ from unsplit._src.step import dot_transposes, jaxpr_eval
 # fusions and lengths: their bits differed in the last place. Level 0 rounds every operation
 # as written and does not vectorize (the price: slower elementwise code). Not all of it:
 # XLA:CPU still computes some functions in more than one way at level 0, chosen by the
-# fusion (measured on 512 elements: tanh, rsqrt, erf, erfc, atan); `tanh` is rewritten
-# (:func:`_tanh`), the others are left as XLA computes them.
-_EXACT_ELEMENTWISE: dict[str, str | bool | int] = {"xla_backend_optimization_level": "0"}
+# fusion (measured on 512 elements, JAX 0.10.2: tanh, rsqrt, erf, erfc, atan; 0.12.1:
+# tanh, erf, atan, and a multiply-add one element at a time). On 0.10.2 `tanh` is
+# rewritten (:func:`_tanh`; turning XLA's newer emitters off instead fixed these but gave
+# other bits across tensor-parallel degrees); on 0.12.1 vectors of one element fix all but
+# atan (:func:`exact_elementwise`). The others are left as XLA computes them.
+_EXACT_ELEMENTWISE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
 
 # YNNPACK fusions for dots only. Not ELTWISE (which XLA's CPU default has): elementwise
 # ops give the same bits at any thread count in XLA's own loop fusions (measured: the test
 # transformer's bitwise grads at 1 and 16 threads), and with it the test transformer's
 # chunk program needed 2x the temp memory (7.7 vs 3.9 MiB, with or without the rewrite) and
 # ran about 1.15x slower. Not REDUCE (not needed for the guarantee, not measured).
-_DOTS_ON_THE_LIBRARY: dict[str, str | bool | int] = {
+_DOTS_ON_THE_LIBRARY: dict[str, str | bool] = {
     "xla_cpu_experimental_ynn_fusion_type": (
         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
     ),
 }
 
 
-def exact_elementwise() -> dict[str, str | bool | int]:
+@functools.cache
+def exact_elementwise() -> dict[str, str | bool]:
     """The compile options under which XLA:CPU rounds every elementwise operation of a
     program as written, in every fusion and at every length: backend level 0 (no fused
-    multiply-adds, no vectorized loops). ``tanh`` needs :func:`canonicalize` too.
+    multiply-adds, no vectorized loops), and on XLA:CPU without its legacy elementwise
+    emitter (JAX 0.12.1), vectors of one element (its own emitter vectorizes even at level
+    0: `tanh`, `erf`, `rsqrt` and `x * 1.1 + 0.3` gave other bits alone, one element at a
+    time or fused with a transpose). On older ones :func:`canonicalize` rewrites ``tanh``.
 
     Example:
         >>> from unsplit._src.bitwise import canonical_dots
-        >>> canonical_dots.exact_elementwise()
-        {'xla_backend_optimization_level': '0'}
+        >>> canonical_dots.exact_elementwise()["xla_backend_optimization_level"]
+        '0'
     """
-    return dict(_EXACT_ELEMENTWISE)
+    if _legacy_emitter():
+        return dict(_EXACT_ELEMENTWISE)
+    return {**_EXACT_ELEMENTWISE, "xla_cpu_prefer_vector_width": "1"}
 
 
-def cpu_options() -> dict[str, str | bool | int]:
+@functools.cache
+def _legacy_emitter() -> bool:
+    """Has this process's XLA:CPU its legacy elementwise emitter (JAX 0.10.2: it accepts the
+    option that turns its newer fusion emitters off; 0.12.1 refuses the name)?"""
+    x = jax.device_put(np.float32(0), jax.devices("cpu")[0])
+    try:
+        jax.jit(lambda v: v + 1).lower(x).compile({"xla_cpu_use_fusion_emitters": True})
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
+
+
+def cpu_options() -> dict[str, str | bool]:
     """Bitwise mode's CPU chunk programs' compile options: dots on the YNNPACK library path,
     elementwise ops exact (:func:`exact_elementwise`). The type ``compile()`` takes."""
     return {**_DOTS_ON_THE_LIBRARY, **exact_elementwise()}
@@ -160,7 +183,7 @@ def _equation(eqn: core.JaxprEqn, invals: list[Any]) -> Any:
     name = eqn.primitive.name
     if eqn.primitive is primitives.dot_general_p:
         return _canonical_dot(*invals, **eqn.params)
-    if name == "tanh" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
+    if name == "tanh" and jnp.issubdtype(invals[0].dtype, jnp.floating) and _legacy_emitter():
         return _tanh(*invals)
     if name in _INLINED:  # post-AD: the primal computation, nothing differentiates it
         body: Any = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))

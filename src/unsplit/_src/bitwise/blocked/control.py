@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from unsplit._src.audit import graph
 from unsplit._src.bitwise.blocked.values import Dims, Unsupported, V, dims_of
 from unsplit._src.step import jaxpr_eval
 
@@ -94,7 +95,7 @@ def while_loop(rw, eqn, vals):
 
 def scan(rw, eqn, vals):
     p = eqn.params
-    nconsts, ncarry = p["num_consts"], p["num_carry"]
+    nconsts, ncarry = graph.scan_counts(p)  # JAX 0.12 names them otherwise
     consts, carry, xs = (
         vals[:nconsts],
         list(vals[nconsts : nconsts + ncarry]),
