@@ -331,14 +331,10 @@ class GroupInputs:
         # Frozen leaves each device holds as its group computes with them: not packed.
         self.held = Held(self.placer, local_groups, plan)
         self._default_words: dict | None = None
-        # One device in all: its own sharding, not the user's one-device mesh (typed on an
-        # Explicit mesh, the key made the chunk program another program: other bits).
-        devices = plan.compute.devices
-        self.key_sharding = (
-            jax.sharding.make_single_device_sharding(devices.flat[0])
-            if devices.size == 1
-            else NamedSharding(plan.compute, P())
-        )
+        # One device: the key on it alone (on a one-device Explicit mesh: another program).
+        one = plan.compute.devices.flat[0] if plan.compute.devices.size == 1 else None
+        whole = NamedSharding(plan.compute, P())
+        self.key_sharding = whole if one is None else jax.sharding.make_single_device_sharding(one)
 
     def __call__(self, vectors, params, batch, ids, key, executables) -> dict:
         """Each local group's (params vectors, rows (rows, hi, lo), key) on its devices
