@@ -141,6 +141,21 @@ def test_an_activation_annotation_names_the_split_of_a_sequence_axis():
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
+def test_a_whole_dimensions_sum_adds_its_canonical_blocks_as_a_split_one_does():
+    from unsplit._src.bitwise.blocked import rules
+
+    eps = np.float32(2.0**-24)
+    x = np.array([1, eps, eps, eps, -1, eps, eps, eps], np.float32)  # 4 blocks of 2
+    blocks = [x[0] + x[1], x[2] + x[3], x[4] + x[5], x[6] + x[7]]
+    canonical = (blocks[0] + blocks[1]) + (blocks[2] + blocks[3])
+    assert float(rules.canonical_sum(jnp.asarray(x), (0,), 8)) == canonical
+    assert float(rules.tree_reduce(jnp.asarray(x), (0,))) != canonical  # halves: another order
+    rows = np.stack([x, 2 * x])  # one axis at a time, the innermost first
+    np.testing.assert_array_equal(
+        rules.canonical_sum(jnp.asarray(rows), (1,), 8), [canonical, 2 * canonical]
+    )
+
+
 def test_the_tree_reduce_is_a_fixed_order_of_adds():
     from unsplit._src.bitwise.blocked import rules
 

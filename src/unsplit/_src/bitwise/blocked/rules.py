@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -182,21 +183,16 @@ def canonical_sum(x: Any, axes, blocks: int) -> Any:
             continue
         x = x.reshape(*x.shape[:a], count, n // count, *x.shape[a + 1 :])
         x = tree_reduce(x, (a + 1,))  # each block's own sum
-        x = moves.fixed_sum(jnp.moveaxis(x, a, 0), _add)  # the blocks in the canonical tree
+        x = moves.fixed_sum(jnp.moveaxis(x, a, 0), operator.add)  # the blocks, canonical tree
     return x
 
 
-def _add(a, b):
-    return a + b
-
-
-def summed(rw, eqn, x: Any, axes=None) -> Any:
-    """A ``reduce_sum`` equation on whole ``x`` (or over ``axes`` of it): a float sum as
-    :func:`canonical_sum`, else XLA's."""
-    axes = tuple(eqn.params["axes"]) if axes is None else tuple(axes)
-    if jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return canonical_sum(x, axes, rw.blocks).astype(eqn.outvars[0].aval.dtype)
-    return rw.bind(eqn, [x], {**_no_out_sharding(eqn.params), "axes": axes})
+def summed(rw, eqn, x: Any) -> Any:
+    """A ``reduce_sum`` equation on whole ``x``: a float sum as :func:`canonical_sum`, else
+    XLA's."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return canonical_sum(x, eqn.params["axes"], rw.blocks).astype(eqn.outvars[0].aval.dtype)
+    return rw.bind(eqn, [x], _no_out_sharding(eqn.params))
 
 
 def reduce_sum(rw, eqn, vals):
@@ -205,10 +201,7 @@ def reduce_sum(rw, eqn, vals):
     block's shape, :func:`tree_reduce`) with the blocks added in the canonical tree; a
     whole axis as :func:`canonical_sum`. Other split dimensions stay split."""
     (x,) = vals
-    floating = jnp.issubdtype(x.value.dtype, jnp.floating) or jnp.issubdtype(
-        x.value.dtype, jnp.complexfloating
-    )
-    if not floating:  # exact in any order: one reduce of each block's shape
+    if not jnp.issubdtype(x.value.dtype, jnp.inexact):  # exact in any order: one reduce
         return _reduce_axes(rw, eqn, x, tuple(eqn.params["axes"]))
     for a in sorted(eqn.params["axes"], reverse=True):
         x = _reduce_axes(rw, eqn, x, (a,))
@@ -229,9 +222,7 @@ def _reduce_axes(rw, eqn, x: V, axes: tuple[int, ...]) -> V:
     whole_axes = tuple(a for a in axes if not x.dims[a])
 
     def block_sum(b):
-        if not (
-            jnp.issubdtype(b.dtype, jnp.floating) or jnp.issubdtype(b.dtype, jnp.complexfloating)
-        ):
+        if not jnp.issubdtype(b.dtype, jnp.inexact):
             return rw.bind(eqn, [b], {**_no_out_sharding(eqn.params), "axes": axes})
         if whole_axes:  # the one axis, whole here
             return canonical_sum(b, axes, rw.blocks).astype(eqn.outvars[0].aval.dtype)
