@@ -312,13 +312,13 @@ class Rewrite:
 
     def tree_sum(self, x: Any, dim: int, axes: tuple[str, ...]) -> Any:
         """``x``'s local canonical blocks along ``dim`` added in the canonical tree, then the
-        devices' partials over ``axes`` (all-gathered, in the axes' order) in the same tree."""
+        devices' partials over ``axes`` in the same tree (:func:`moves.pairwise_sum`)."""
         x = jax.numpy.moveaxis(x, dim, 0)
         local = moves.fixed_sum(x, _add)
         if self.size(axes) == 1:
             return local
-        # Gathered flat: a 1-D collective puts no layout constraint on the values around it
+        # Exchanged flat: a 1-D collective puts no layout constraint on the values around it
         # (a gathered N-D value got another layout than the one-device program's, and with
         # it other simplifications of the ops next to it).
-        rows = jax.lax.all_gather(local.reshape(-1), partition.entry(axes), axis=0)
-        return moves.fixed_sum(rows, _add).reshape(local.shape)
+        total = moves.pairwise_sum(local.reshape(-1), axes, self.size(axes))
+        return total.reshape(local.shape)

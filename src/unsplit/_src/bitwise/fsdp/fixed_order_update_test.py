@@ -105,7 +105,7 @@ def test_the_update_holds_no_all_reduce_and_xlas_does():
     tx = OPTIMIZERS["clip+adamw"]()
     args = fsdp((PARAMS, tx.init(PARAMS), GRADS), gmesh)
     hlo = program.lower(*args).compile().as_text()
-    assert "all-gather" in hlo
+    assert "all-gather" in hlo or "collective-permute" in hlo  # partials moved, then added
     assert "all-reduce" not in hlo and "reduce-scatter" not in hlo
     # Negative control: the same update as XLA partitions it adds the norm's partials by an
     # all-reduce (in the collectives' order).
