@@ -33,6 +33,21 @@ def test_a_relocated_program_gives_the_bits_of_one_compiled_for_that_device():
     assert relocate.Relocated(first, devices[1]).as_text() == first.as_text()
 
 
+def test_a_key_passed_again_is_converted_once_and_a_new_key_is_not_mistaken_for_it():
+    d0, d1 = jax.devices()[:2]
+    w, x = jax.random.normal(jax.random.key(0), (8, 4)), jnp.ones((2, 8))
+    first = jax.jit(grads).lower(*jax.device_put((w, x, jax.random.key(2)), d0)).compile()
+    program = relocate.Relocated(first, d1)
+    w, x, key, other = jax.device_put((w, x, jax.random.key(2), jax.random.key(3)), d1)
+    a = program(w, x, key)
+    held = program._keys[2][1]  # the key's data, by the key's argument position
+    b = program(w, x, key)
+    assert program._keys[2][1] is held  # the same key: its data taken from the last call
+    c = program(w, x, other)  # another key at the same position: its own data
+    assert unsplit.testing.bits_equal((a, c), (b, jax.jit(grads)(w, x, other)))
+    assert not unsplit.testing.bits_equal(a, c)
+
+
 def test_other_arguments_are_refused():
     d0, d1 = jax.devices()[:2]
     first = jax.jit(lambda a, b: a + b).lower(*jax.device_put((1.0, 2.0), d0)).compile()
