@@ -30,13 +30,18 @@ an ``nnx.Optimizer`` on ``nnx.LoRAParam``), the user's own ``jax.jit`` train ste
 keys, the base an argument) and unsplit's in default and bitwise mode (goal: bitwise <= 1.3x
 both); memory per device of each mode's step (``benchmarks/common.step_memory``: XLA's
 analysis; bitwise mode's is its peak over all its programs) next to the plain step's (goal:
-bitwise <= default + the adapters' sums).
+bitwise <= default + the adapters' sums). A last row, for comparison: bitwise mode with its
+CPU programs compiled at XLA's default level (the library's measuring switch
+``UNSPLIT_BENCH_CPU_DEFAULT_LEVEL=1``; bits then held across data degrees, not across
+model-parallel degrees), so the table shows what exact elementwise code costs on CPU.
 
 Run: ``python benchmarks/lora_bench.py`` (``--quick``: smaller, docs untouched). The tables
 go to docs/benchmarks.md.
 """
 
 from __future__ import annotations
+
+import os
 
 import common
 import jax
@@ -172,6 +177,8 @@ QUICK = [("2 blocks, 64 wide", 16, 4, 64, 128, 2)]
 # The frozen-dominated model: (width, layers, batch); --quick: smaller.
 FROZEN_DOMINATED, FROZEN_QUICK = (1024, 2, 64), (256, 2, 64)
 DOMINATED_MARKER = "lora-frozen-dominated"
+LEVEL_ROW = "bitwise train step, CPU programs at XLA's default level"
+LEVEL_ENV = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"  # canonical_dots.BENCH_DEFAULT_LEVEL_ENV
 
 
 def nnx_problem(mesh, width: int, layers: int, batch: int):
@@ -257,6 +264,12 @@ def measure_frozen_dominated(mesh, config, repeats: int) -> list[list[str]]:
         return run
 
     trains = {name: unsplit.train_step(step, optimizer) for name, step in steps.items()}
+    # For comparison only: bitwise mode with its CPU programs at XLA's default level (the
+    # library's measuring switch, read when the programs compile on the first call): its
+    # bits hold across data degrees and microbatches, not across model-parallel degrees.
+    trains[LEVEL_ROW] = unsplit.train_step(
+        unsplit.value_and_grad(loss_fn, mesh=mesh, bitwise=True), optimizer
+    )
     candidates = {
         "original": lambda: original_step(model, original, data),
         "user": threaded(lambda p, o, b, k, i: user(p, o, b, k, i, base)),
@@ -265,10 +278,16 @@ def measure_frozen_dominated(mesh, config, repeats: int) -> list[list[str]]:
             for name, train in trains.items()
         },
     }
+    os.environ[LEVEL_ENV] = "1"
+    try:
+        jax.block_until_ready(candidates[LEVEL_ROW]())  # compiled at the default level
+    finally:
+        del os.environ[LEVEL_ENV]
     by_original = common.compare(candidates, baseline="original", repeats=repeats)
     by_user = common.compare(
-        {n: candidates[n] for n in ("user", "default", "bitwise")}, baseline="user", repeats=repeats
-    )
+        {n: candidates[n] for n in ("user", "default", "bitwise", LEVEL_ROW)},
+        baseline="user", repeats=repeats,
+    )  # fmt: skip
     ratio = {("original", r.name): r for r in by_original} | {("user", r.name): r for r in by_user}
     plain = jax.jit(jax.value_and_grad(lambda p, b, k, f: jnp.mean(
         jax.vmap(loss_fn, in_axes=(None, 0, 0, None))(
@@ -288,6 +307,14 @@ def measure_frozen_dominated(mesh, config, repeats: int) -> list[list[str]]:
                 f"{memory[name] / 2**20:.2f} MiB vs {memory['plain'] / 2**20:.2f} MiB",
             ]
         )
+    rows.append(
+        [
+            f"{LEVEL_ROW} (for comparison: bits not kept across model-parallel degrees)",
+            common.ratio_cell(ratio[("original", LEVEL_ROW)]),
+            common.ratio_cell(ratio[("user", LEVEL_ROW)]),
+            "-",
+        ]
+    )
     return rows
 
 

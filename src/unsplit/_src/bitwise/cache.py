@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from unsplit._src.bitwise import placement, programs, relocate
+from unsplit._src.bitwise import canonical_dots, placement, programs, relocate
 from unsplit._src.bitwise.blocked import chunk as blocked_chunk
 from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.bitwise.plan import Plan
@@ -64,6 +64,7 @@ def program_key(
         *extra,
         programs.CANONICAL_DOTS,
         group_reduce.fixed_order(),
+        canonical_dots.exact(),
         spec.weighted,
         spec.has_aux,
         plan.structure,

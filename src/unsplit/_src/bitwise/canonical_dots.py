@@ -32,6 +32,7 @@ other backends compile the program as it is.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import warnings
 from typing import Any
@@ -59,6 +60,18 @@ from unsplit._src.step import dot_transposes, jaxpr_eval
 # other bits across tensor-parallel degrees); on 0.12.1 vectors of one element fix all but
 # atan (:func:`exact_elementwise`). The others are left as XLA computes them.
 _EXACT_ELEMENTWISE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
+
+# A switch for measuring what exact elementwise code costs, not a setting: with it "1"
+# (read when a step's programs are made; part of their cache key) the CPU chunk programs
+# compile at XLA's default level and keep XLA's tanh, so their bits hold across data
+# degrees and microbatches but not across model-parallel degrees. lora_bench sets it for
+# one comparison row.
+BENCH_DEFAULT_LEVEL_ENV = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"
+
+
+def exact() -> bool:
+    """Whether bitwise CPU programs made now compute elementwise ops exactly (level 0)."""
+    return os.environ.get(BENCH_DEFAULT_LEVEL_ENV) != "1"
 
 # YNNPACK fusions for dots only. Not ELTWISE (which XLA's CPU default has): elementwise
 # ops give the same bits at any thread count in XLA's own loop fusions (measured: the test
@@ -106,7 +119,7 @@ def _legacy_emitter() -> bool:
 def cpu_options() -> dict[str, str | bool]:
     """Bitwise mode's CPU chunk programs' compile options: dots on the YNNPACK library path,
     elementwise ops exact (:func:`exact_elementwise`). The type ``compile()`` takes."""
-    return {**_DOTS_ON_THE_LIBRARY, **exact_elementwise()}
+    return {**_DOTS_ON_THE_LIBRARY, **(exact_elementwise() if exact() else {})}
 
 
 _INLINED = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -178,12 +191,16 @@ def _eval(jaxpr: core.Jaxpr, consts, *args) -> list[Any]:
     return jaxpr_eval.evaluate(jaxpr, consts, args, rewrite, eqn_context=True)
 
 
+def _exact_tanh() -> bool:
+    return _legacy_emitter() and exact()
+
+
 def _equation(eqn: core.JaxprEqn, invals: list[Any]) -> Any:
     """One equation's outputs, its dots (and those of its nested jaxprs) canonical."""
     name = eqn.primitive.name
     if eqn.primitive is primitives.dot_general_p:
         return _canonical_dot(*invals, **eqn.params)
-    if name == "tanh" and jnp.issubdtype(invals[0].dtype, jnp.floating) and _legacy_emitter():
+    if name == "tanh" and jnp.issubdtype(invals[0].dtype, jnp.floating) and _exact_tanh():
         return _tanh(*invals)
     if name in _INLINED:  # post-AD: the primal computation, nothing differentiates it
         body: Any = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))

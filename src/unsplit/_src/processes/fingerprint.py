@@ -299,11 +299,15 @@ def bits_settings() -> dict[str, str]:
     # a process with it set never agrees with one without.
     if os.environ.get(_BENCH_XLA_GROUP_REDUCE) == "1":
         settings["fsdp group sums"] = f"XLA's ({_BENCH_XLA_GROUP_REDUCE}=1)"
+    if os.environ.get(_BENCH_CPU_DEFAULT_LEVEL) == "1":
+        settings["cpu programs"] = f"XLA's default level ({_BENCH_CPU_DEFAULT_LEVEL}=1)"
     return settings
 
 
 # bitwise/fsdp/group_reduce.py's measuring switch (read there; named here to stay off its floor).
 _BENCH_XLA_GROUP_REDUCE = "UNSPLIT_BENCH_XLA_GROUP_REDUCE"
+# bitwise/canonical_dots.py's (read there).
+_BENCH_CPU_DEFAULT_LEVEL = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"
 
 
 # NCCL settings that choose a reduction's algorithm, hence the order of its adds.
