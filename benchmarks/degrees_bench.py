@@ -6,14 +6,19 @@ projection row-parallel) at (data, model) = (8, 1), (4, 2), (2, 4), (1, 8), and
 replicated and FSDP params at data=8 for comparison. Each row: bitwise and default mode
 measured side by side (alternating rounds: the ratio is per round), the memory per
 device of each (XLA's compiled memory analysis: the peak over a bitwise step's programs),
-and whether the bitwise loss and grads are bit-identical to the (4, 2) layout's. The
-table goes into docs/benchmarks.md (marker ``degrees``).
+and whether the bitwise loss and grads are bit-identical to the (4, 2) layout's. Two last
+rows, for comparison: bitwise mode at (4, 2) and replicated with its CPU programs compiled
+at XLA's default level (the library's measuring switch ``UNSPLIT_BENCH_CPU_DEFAULT_LEVEL=1``:
+bits then held across data degrees, not across model-parallel degrees). The table goes
+into docs/benchmarks.md (marker ``degrees``).
 
     python benchmarks/degrees_bench.py           # full run, writes the table
     python benchmarks/degrees_bench.py --quick   # a smoke run (small MLP), no write
 """
 
 from __future__ import annotations
+
+import os
 
 import common
 import jax
@@ -26,6 +31,7 @@ import unsplit
 
 LAYOUTS = [("tensor parallel", d, m) for d, m in [(8, 1), (4, 2), (2, 4), (1, 8)]]
 OTHERS = [("replicated", 8, 1), ("FSDP over data", 8, 1)]
+LEVEL_ENV = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"  # canonical_dots.BENCH_DEFAULT_LEVEL_ENV
 
 
 def loss_fn(params, x, key):
@@ -60,14 +66,19 @@ def inputs(kind: str, data: int, model: int, width: int, hidden: int):
     return mesh, params, x
 
 
-def row(kind, data, model, width, hidden, repeats, reference):
+def row(kind, data, model, width, hidden, repeats, reference, default_level=False):
     mesh, params, x = inputs(kind, data, model, width, hidden)
     key = jax.random.key(0)
     steps = {
         mode: unsplit.value_and_grad(loss_fn, mesh=mesh, bitwise=mode == "bitwise")
         for mode in ("default", "bitwise")
     }
-    out = jax.device_get(steps["bitwise"](params, x, key))
+    if default_level:  # the library's measuring switch, read when the programs compile
+        os.environ[LEVEL_ENV] = "1"
+    try:
+        out = jax.device_get(steps["bitwise"](params, x, key))
+    finally:
+        os.environ.pop(LEVEL_ENV, None)
     same = (
         kind != "tensor parallel" or reference is None or unsplit.testing.bits_equal(out, reference)
     )
@@ -80,7 +91,7 @@ def row(kind, data, model, width, hidden, repeats, reference):
     by = {r.name: r for r in results}
     bitwise = by.get("bitwise")
     return out, [
-        kind,
+        f"{kind}, CPU programs at XLA's default level" if default_level else kind,
         f"({data}, {model})",
         f"{by['default'].median_s * 1e3:.0f} ms" if "default" in by else failed["default"],
         f"{bitwise.median_s * 1e3:.0f} ms" if bitwise else failed["bitwise"],
@@ -88,7 +99,7 @@ def row(kind, data, model, width, hidden, repeats, reference):
         f"{memory['default'] / 2**20:.1f} MiB",
         f"{memory['bitwise'] / 2**20:.1f} MiB",
         common.times_cell(common.ratio(memory["bitwise"], memory["default"])),
-        ("yes" if same else "NO") if kind == "tensor parallel" else "-",
+        ("yes" if same else "NO") if kind == "tensor parallel" and not default_level else "-",
     ]
 
 
@@ -100,6 +111,12 @@ def main() -> None:
         out, cells = row(kind, data, model, width, hidden, repeats, reference)
         if reference is None and kind == "tensor parallel":
             reference = out  # (4, 2): the first row
+        rows.append(cells)
+        print(" | ".join(cells), flush=True)
+    # For comparison: bitwise mode with its CPU programs at XLA's default level (bits then
+    # held across data degrees, not across model-parallel degrees): what level 0 costs.
+    for kind, data, model in (LAYOUTS[1], OTHERS[0]):
+        _, cells = row(kind, data, model, width, hidden, repeats, None, default_level=True)
         rows.append(cells)
         print(" | ".join(cells), flush=True)
     header = [
