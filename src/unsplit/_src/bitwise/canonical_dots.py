@@ -73,6 +73,7 @@ def exact() -> bool:
     """Whether bitwise CPU programs made now compute elementwise ops exactly (level 0)."""
     return os.environ.get(BENCH_DEFAULT_LEVEL_ENV) != "1"
 
+
 # YNNPACK fusions for dots only. Not ELTWISE (which XLA's CPU default has): elementwise
 # ops give the same bits at any thread count in XLA's own loop fusions (measured: the test
 # transformer's bitwise grads at 1 and 16 threads), and with it the test transformer's
