@@ -20,6 +20,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -50,6 +51,26 @@ class Result:
     # accelerator it is the host's share only (launches, transfers); nan where the baseline
     # took no measurable CPU time in any round.
     cpu_ratio_median: float = float("nan")
+
+
+# unsplit's measuring switch (canonical_dots.BENCH_DEFAULT_LEVEL_ENV): bitwise CPU programs
+# compiled while it is "1" use XLA's default level (bits then not kept across model degrees).
+CPU_DEFAULT_LEVEL_ENV = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"
+
+
+@contextlib.contextmanager
+def cpu_default_level(on: bool = True):
+    """Bitwise programs compiled inside (a step's first call) use XLA's default CPU level."""
+    before = os.environ.get(CPU_DEFAULT_LEVEL_ENV)
+    if on:
+        os.environ[CPU_DEFAULT_LEVEL_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CPU_DEFAULT_LEVEL_ENV, None)
+        else:
+            os.environ[CPU_DEFAULT_LEVEL_ENV] = before
 
 
 def ratio(numerator: float, denominator: float) -> float:

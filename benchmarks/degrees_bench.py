@@ -18,8 +18,6 @@ into docs/benchmarks.md (marker ``degrees``).
 
 from __future__ import annotations
 
-import os
-
 import common
 import jax
 import jax.numpy as jnp
@@ -31,7 +29,6 @@ import unsplit
 
 LAYOUTS = [("tensor parallel", d, m) for d, m in [(8, 1), (4, 2), (2, 4), (1, 8)]]
 OTHERS = [("replicated", 8, 1), ("FSDP over data", 8, 1)]
-LEVEL_ENV = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"  # canonical_dots.BENCH_DEFAULT_LEVEL_ENV
 
 
 def loss_fn(params, x, key):
@@ -73,12 +70,8 @@ def row(kind, data, model, width, hidden, repeats, reference, default_level=Fals
         mode: unsplit.value_and_grad(loss_fn, mesh=mesh, bitwise=mode == "bitwise")
         for mode in ("default", "bitwise")
     }
-    if default_level:  # the library's measuring switch, read when the programs compile
-        os.environ[LEVEL_ENV] = "1"
-    try:
+    with common.cpu_default_level(default_level):  # read when the programs compile
         out = jax.device_get(steps["bitwise"](params, x, key))
-    finally:
-        os.environ.pop(LEVEL_ENV, None)
     same = (
         kind != "tensor parallel" or reference is None or unsplit.testing.bits_equal(out, reference)
     )

@@ -41,8 +41,6 @@ go to docs/benchmarks.md.
 
 from __future__ import annotations
 
-import os
-
 import common
 import jax
 import jax.numpy as jnp
@@ -178,7 +176,6 @@ QUICK = [("2 blocks, 64 wide", 16, 4, 64, 128, 2)]
 FROZEN_DOMINATED, FROZEN_QUICK = (1024, 2, 64), (256, 2, 64)
 DOMINATED_MARKER = "lora-frozen-dominated"
 LEVEL_ROW = "bitwise train step, CPU programs at XLA's default level"
-LEVEL_ENV = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"  # canonical_dots.BENCH_DEFAULT_LEVEL_ENV
 
 
 def nnx_problem(mesh, width: int, layers: int, batch: int):
@@ -278,11 +275,8 @@ def measure_frozen_dominated(mesh, config, repeats: int) -> list[list[str]]:
             for name, train in trains.items()
         },
     }
-    os.environ[LEVEL_ENV] = "1"
-    try:
+    with common.cpu_default_level():
         jax.block_until_ready(candidates[LEVEL_ROW]())  # compiled at the default level
-    finally:
-        del os.environ[LEVEL_ENV]
     by_original = common.compare(candidates, baseline="original", repeats=repeats)
     by_user = common.compare(
         {n: candidates[n] for n in ("user", "default", "bitwise", LEVEL_ROW)},

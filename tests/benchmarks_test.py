@@ -170,3 +170,17 @@ def test_the_reports_heading_names_the_device_among_the_backends_warnings(device
     assert platform_name == "tpu"
     assert head[0] == "## Device check: 1 x TPU v5 lite (tpu)"
     assert device_check.heading(1, "Traceback ...\n")[0] == "unknown"
+
+
+def test_the_cpu_default_level_switch_is_the_librarys_and_is_restored(common, monkeypatch):
+    from unsplit._src.bitwise import canonical_dots
+
+    assert common.CPU_DEFAULT_LEVEL_ENV == canonical_dots.BENCH_DEFAULT_LEVEL_ENV
+    monkeypatch.delenv(common.CPU_DEFAULT_LEVEL_ENV, raising=False)
+    with common.cpu_default_level():
+        assert not canonical_dots.exact()
+    assert canonical_dots.exact()
+    monkeypatch.setenv(common.CPU_DEFAULT_LEVEL_ENV, "1")  # set by the caller: kept
+    with common.cpu_default_level(False):
+        assert not canonical_dots.exact()
+    assert not canonical_dots.exact()
