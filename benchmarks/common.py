@@ -54,7 +54,8 @@ class Result:
 
 
 # unsplit's measuring switch (canonical_dots.BENCH_DEFAULT_LEVEL_ENV): bitwise CPU programs
-# compiled while it is "1" use XLA's default level (bits then not kept across model degrees).
+# compiled while it is "1" are compiled as XLA fuses them (bits then not kept across model
+# degrees).
 CPU_DEFAULT_LEVEL_ENV = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"
 
 

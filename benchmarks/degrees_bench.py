@@ -8,8 +8,9 @@ measured side by side (alternating rounds: the ratio is per round), the memory p
 device of each (XLA's compiled memory analysis: the peak over a bitwise step's programs),
 and whether the bitwise loss and grads are bit-identical to the (4, 2) layout's. Two last
 rows, for comparison: bitwise mode at (4, 2) and replicated with its CPU programs compiled
-at XLA's default level (the library's measuring switch ``UNSPLIT_BENCH_CPU_DEFAULT_LEVEL=1``:
-bits then held across data degrees, not across model-parallel degrees). The table goes
+as XLA fuses them (the library's measuring switch ``UNSPLIT_BENCH_CPU_DEFAULT_LEVEL=1``: no
+product rounded on its own; bits then held across data degrees, not across model-parallel
+degrees). The table goes
 into docs/benchmarks.md (marker ``degrees``).
 
     python benchmarks/degrees_bench.py           # full run, writes the table
@@ -84,7 +85,7 @@ def row(kind, data, model, width, hidden, repeats, reference, default_level=Fals
     by = {r.name: r for r in results}
     bitwise = by.get("bitwise")
     return out, [
-        f"{kind}, CPU programs at XLA's default level" if default_level else kind,
+        f"{kind}, CPU programs as XLA fuses them" if default_level else kind,
         f"({data}, {model})",
         f"{by['default'].median_s * 1e3:.0f} ms" if "default" in by else failed["default"],
         f"{bitwise.median_s * 1e3:.0f} ms" if bitwise else failed["bitwise"],
@@ -106,8 +107,8 @@ def main() -> None:
             reference = out  # (4, 2): the first row
         rows.append(cells)
         print(" | ".join(cells), flush=True)
-    # For comparison: bitwise mode with its CPU programs at XLA's default level (bits then
-    # held across data degrees, not across model-parallel degrees): what level 0 costs.
+    # For comparison: bitwise mode with its CPU programs as XLA fuses them (bits then
+    # held across data degrees, not across model-parallel degrees): what exactness costs.
     for kind, data, model in (LAYOUTS[1], OTHERS[0]):
         _, cells = row(kind, data, model, width, hidden, repeats, None, default_level=True)
         rows.append(cells)

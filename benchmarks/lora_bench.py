@@ -31,9 +31,10 @@ keys, the base an argument) and unsplit's in default and bitwise mode (goal: bit
 both); memory per device of each mode's step (``benchmarks/common.step_memory``: XLA's
 analysis; bitwise mode's is its peak over all its programs) next to the plain step's (goal:
 bitwise <= default + the adapters' sums). A last row, for comparison: bitwise mode with its
-CPU programs compiled at XLA's default level (the library's measuring switch
-``UNSPLIT_BENCH_CPU_DEFAULT_LEVEL=1``; bits then held across data degrees, not across
-model-parallel degrees), so the table shows what exact elementwise code costs on CPU.
+CPU programs compiled as XLA fuses them (the library's measuring switch
+``UNSPLIT_BENCH_CPU_DEFAULT_LEVEL=1``: no product rounded on its own, XLA's own ``exp``;
+bits then held across data degrees, not across model-parallel degrees), so the table shows
+what exact elementwise code costs on CPU.
 
 Run: ``python benchmarks/lora_bench.py`` (``--quick``: smaller, docs untouched). The tables
 go to docs/benchmarks.md.
@@ -175,7 +176,7 @@ QUICK = [("2 blocks, 64 wide", 16, 4, 64, 128, 2)]
 # The frozen-dominated model: (width, layers, batch); --quick: smaller.
 FROZEN_DOMINATED, FROZEN_QUICK = (1024, 2, 64), (256, 2, 64)
 DOMINATED_MARKER = "lora-frozen-dominated"
-LEVEL_ROW = "bitwise train step, CPU programs at XLA's default level"
+LEVEL_ROW = "bitwise train step, CPU programs as XLA fuses them"
 
 
 def nnx_problem(mesh, width: int, layers: int, batch: int):
@@ -261,7 +262,7 @@ def measure_frozen_dominated(mesh, config, repeats: int) -> list[list[str]]:
         return run
 
     trains = {name: unsplit.train_step(step, optimizer) for name, step in steps.items()}
-    # For comparison only: bitwise mode with its CPU programs at XLA's default level (the
+    # For comparison only: bitwise mode with its CPU programs as XLA fuses them (the
     # library's measuring switch, read when the programs compile on the first call): its
     # bits hold across data degrees and microbatches, not across model-parallel degrees.
     trains[LEVEL_ROW] = unsplit.train_step(
@@ -276,7 +277,7 @@ def measure_frozen_dominated(mesh, config, repeats: int) -> list[list[str]]:
         },
     }
     with common.cpu_default_level():
-        jax.block_until_ready(candidates[LEVEL_ROW]())  # compiled at the default level
+        jax.block_until_ready(candidates[LEVEL_ROW]())  # compiled without the rounded products
     by_original = common.compare(candidates, baseline="original", repeats=repeats)
     by_user = common.compare(
         {n: candidates[n] for n in ("user", "default", "bitwise", LEVEL_ROW)},

@@ -21,6 +21,11 @@ tested with ``T`` = 1 and 16 in fresh processes):
 2. :func:`cpu_options` sends those dots to the YNNPACK library path, which
    does not split by ``T``.
 
+So that the programs of other tensor, sequence or FSDP-group degrees (other fusions,
+other array lengths) give the same bits for the same canonical blocks, :func:`canonicalize`
+also rounds every product on its own (:func:`rounded`: XLA:CPU would fuse it into an add)
+and, on XLA:CPU's legacy emitter, computes ``exp`` with one code path (:func:`_exp`).
+
 :func:`check_cpu_program` then refuses a compiled CPU program that still holds
 a real floating-point ``dot`` on Eigen, and warns on a ``convolution`` or a
 complex dot (not fixed: their bits may still depend on the thread count).
@@ -48,29 +53,32 @@ from unsplit._src.step import dot_transposes, jaxpr_eval
 # XLA:CPU at its default backend optimization level fuses each multiply that feeds an add
 # in the same fusion into one fused multiply-add (one rounding instead of two: `x * y + z`
 # gives the fused result for every element, measured), so an element's bits follow XLA's
-# fusion choices, which differ between programs of other shapes; and its vectorized `exp`
-# gives other bits than its scalar loop, so they follow the array's length too. Programs of
-# other tensor, sequence or FSDP-group degrees compute the same canonical blocks in other
-# fusions and lengths: their bits differed in the last place. Level 0 rounds every operation
-# as written and does not vectorize (the price: slower elementwise code). Not all of it:
-# XLA:CPU still computes some functions in more than one way at level 0, chosen by the
-# fusion (measured on 512 elements, JAX 0.10.2: tanh, rsqrt, erf, erfc, atan; 0.12.1:
-# tanh, erf, atan, and a multiply-add one element at a time). On 0.10.2 `tanh` is
-# rewritten (:func:`_tanh`; turning XLA's newer emitters off instead fixed these but gave
-# other bits across tensor-parallel degrees); on 0.12.1 vectors of one element fix all but
-# atan (:func:`exact_elementwise`). The others are left as XLA computes them.
+# fusion choices, which differ between programs of other shapes (other tensor, sequence or
+# FSDP-group degrees computing the same canonical blocks). Level 0 rounds every operation as
+# written but emits slow code (no vectorized loops): it cost 1.5-2x a bitwise step. The chunk
+# programs compile at XLA's default level instead, with every product's result behind an
+# exact identity that neither XLA nor LLVM can see through (:func:`rounded`), so no product
+# is fused into an add in any program. What else followed the fusion or the array's length
+# there, measured on every length from 1 to 19 and in fusions (JAX 0.10.2: `exp`, vectorized
+# for lengths 3, 5-7, 11, 13-15 with other bits than its scalar loop; 0.12.1: `tanh` at 10,
+# 12, 18): on 0.10.2 `exp` is computed from `expm1` (:func:`_exp`), on 0.12.1 the programs
+# compile with vectors of one element. Left as XLA computes them: `erf` (differs alone and
+# fused with a transpose on 0.10.2, at level 0 too) and functions not measured.
+_DEFAULT_LEVEL: dict[str, str | bool] = {"xla_backend_optimization_level": "3"}
+# The FSDP groups' fixed-order update (not rewritten by :func:`canonicalize`) compiles at
+# level 0, which rounds as written without the identities.
 _EXACT_ELEMENTWISE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
 
 # A switch for measuring what exact elementwise code costs, not a setting: with it "1"
 # (read when a step's programs are made; part of their cache key) the CPU chunk programs
-# compile at XLA's default level and keep XLA's tanh, so their bits hold across data
-# degrees and microbatches but not across model-parallel degrees. lora_bench sets it for
-# one comparison row.
+# compile as XLA fuses them (no rounding identities, XLA's `exp`, the process's level), so
+# their bits hold across data degrees and microbatches but not across model-parallel
+# degrees. lora_bench and degrees_bench set it for one comparison row each.
 BENCH_DEFAULT_LEVEL_ENV = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"
 
 
 def exact() -> bool:
-    """Whether bitwise CPU programs made now compute elementwise ops exactly (level 0)."""
+    """Whether bitwise CPU programs made now round every elementwise operation as written."""
     return os.environ.get(BENCH_DEFAULT_LEVEL_ENV) != "1"
 
 
@@ -93,7 +101,8 @@ def exact_elementwise() -> dict[str, str | bool]:
     multiply-adds, no vectorized loops), and on XLA:CPU without its legacy elementwise
     emitter (JAX 0.12.1), vectors of one element (its own emitter vectorizes even at level
     0: `tanh`, `erf`, `rsqrt` and `x * 1.1 + 0.3` gave other bits alone, one element at a
-    time or fused with a transpose). On older ones :func:`canonicalize` rewrites ``tanh``.
+    time or fused with a transpose). The FSDP groups' fixed-order update compiles under
+    them; the chunk programs round their products instead (:func:`cpu_options`).
 
     Example:
         >>> from unsplit._src.bitwise import canonical_dots
@@ -119,8 +128,13 @@ def _legacy_emitter() -> bool:
 
 def cpu_options() -> dict[str, str | bool]:
     """Bitwise mode's CPU chunk programs' compile options: dots on the YNNPACK library path,
-    elementwise ops exact (:func:`exact_elementwise`). The type ``compile()`` takes."""
-    return {**_DOTS_ON_THE_LIBRARY, **(exact_elementwise() if exact() else {})}
+    XLA's default level whatever the process's flags (the programs' products are rounded by
+    :func:`canonicalize`), and on XLA:CPU without its legacy emitter vectors of one element.
+    The type ``compile()`` takes."""
+    if not exact():
+        return dict(_DOTS_ON_THE_LIBRARY)
+    one_wide = {} if _legacy_emitter() else {"xla_cpu_prefer_vector_width": "1"}
+    return {**_DOTS_ON_THE_LIBRARY, **_DEFAULT_LEVEL, **one_wide}
 
 
 _INLINED = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -168,18 +182,76 @@ def _canonical_dot(lhs, rhs, *, dimension_numbers, **params):
     return jax.lax.optimization_barrier(out)
 
 
-def _tanh(x):
-    """``tanh(x)`` from ``expm1`` and exactly rounded operations, one code path wherever it
-    runs. XLA:CPU computes its own ``tanh`` in more than one way, chosen by the fusion it
-    lands in: measured at backend level 0 (JAX 0.10.2 and 0.12.1), the same elements gave
-    other bits in 176 of 512 alone than fused with a transpose and a concatenate (the
-    canonical blocks put back in place), so a model's tanh at 8 sequence devices (one
-    block each) gave other gradients than at 4. ``expm1`` gave the same bits in both.
-    Measured within 7 ulp of the exact value over 1.2M samples (XLA's own: 5); odd, with
-    -0.0, +-inf and NaN kept."""
+def rounded(y):
+    """``y``, with the same bits, behind an identity that XLA and LLVM cannot see through:
+    a product passed through it is rounded on its own, never fused into an add.
+
+    ``u | ((u * (u + 1)) & 1)`` of ``y``'s bits ``u``: the product of two consecutive
+    integers is even, so the ``or`` adds nothing, but no compiler pass proves it (measured:
+    ``x * w`` materialized in one program and fused into ``+ b`` in another then give the
+    same bits, and the two-rounding ones). Three integer operations per element.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from unsplit._src.bitwise import canonical_dots
+        >>> x = jnp.array([1.5, -0.0, jnp.inf, jnp.nan])
+        >>> bool(jnp.all(canonical_dots.rounded(x).view(jnp.uint32) == x.view(jnp.uint32)))
+        True
+    """
+    if not jnp.issubdtype(y.dtype, jnp.floating):
+        return y
+    bits = jnp.dtype(f"uint{jnp.finfo(y.dtype).bits}")
+    u = jax.lax.bitcast_convert_type(y, bits)
+    one = jnp.ones((), bits)
+    zero = jax.lax.bitwise_and(u * (u + one), one)
+    return jax.lax.bitcast_convert_type(jax.lax.bitwise_or(u, zero), y.dtype)
+
+
+def _exp(x):
+    """``exp(x)`` from ``expm1`` and exactly rounded operations, one code path at every array
+    length. XLA:CPU (JAX 0.10.2) at its default level computes ``exp`` in a vectorized loop
+    for some lengths (3, 5-7, 11, 13-15 of 1-19) with other bits than in its scalar loop;
+    its ``expm1`` gave the same bits at every length. ``expm1(x) + 1`` for ``x >= 0``,
+    ``1 / (expm1(-x) + 1)`` below. Measured within 4 ulp of the exact value over 1.2M samples
+    (XLA's own: 3.9); +-inf and NaN kept; results below the smallest normal flush to 0, as
+    XLA:CPU's own (it computes with denormals flushed)."""
     wide = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.float32
-    t = jnp.expm1(-2 * jnp.abs(x.astype(wide)))  # in (-1, 0]
-    return jnp.copysign(-t / (t + 2), x.astype(wide)).astype(x.dtype)
+    v = x.astype(wide)
+    up = rounded(jnp.expm1(jnp.abs(v))) + 1
+    return jnp.where(v >= 0, up, 1 / up).astype(x.dtype)
+
+
+# Primitives lowered to a multiply or to code that may end in one (XLA rewrites a division by
+# a constant into a multiply; a function's last step may be a multiply): their results are
+# rounded on their own (:func:`rounded`), so no add of a consumer is fused into them.
+_ROUNDED = frozenset(
+    [
+        "mul",
+        "integer_pow",
+        "square",
+        "div",
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "tanh",
+        "logistic",
+        "erf",
+        "erfc",
+        "erf_inv",
+        "sin",
+        "cos",
+        "tan",
+        "atan",
+        "atan2",
+        "pow",
+        "rsqrt",
+        "cbrt",
+        "lgamma",
+        "digamma",
+    ]
+)
 
 
 def _retrace(jaxpr: core.Jaxpr, consts) -> tuple[core.Jaxpr, list[Any]]:
@@ -192,17 +264,15 @@ def _eval(jaxpr: core.Jaxpr, consts, *args) -> list[Any]:
     return jaxpr_eval.evaluate(jaxpr, consts, args, rewrite, eqn_context=True)
 
 
-def _exact_tanh() -> bool:
-    return _legacy_emitter() and exact()
-
-
 def _equation(eqn: core.JaxprEqn, invals: list[Any]) -> Any:
     """One equation's outputs, its dots (and those of its nested jaxprs) canonical."""
     name = eqn.primitive.name
     if eqn.primitive is primitives.dot_general_p:
         return _canonical_dot(*invals, **eqn.params)
-    if name == "tanh" and jnp.issubdtype(invals[0].dtype, jnp.floating) and _exact_tanh():
-        return _tanh(*invals)
+    if name in _ROUNDED and exact() and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+        if name == "exp" and _legacy_emitter():
+            return _exp(*invals)  # ends in an add or a division: nothing to fuse into an add
+        return rounded(jaxpr_eval.bind(eqn, invals, eqn.params))
     if name in _INLINED:  # post-AD: the primal computation, nothing differentiates it
         body: Any = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
         return _eval(body.jaxpr, body.consts, *invals)

@@ -210,8 +210,13 @@ _FMA_SCRIPT = textwrap.dedent(
     args = (x[pick], y[pick], z[pick])
     fn = lambda x, y, z: x * y + z
     out = {}
-    for name, options in (("xla", None), ("exact", canonical_dots.exact_elementwise())):
-        got = np.asarray(jax.jit(fn, compiler_options=options)(*args))
+    ways = {
+        "xla": (fn, None),
+        "chunk": (canonical_dots.canonicalize(fn), canonical_dots.cpu_options()),
+        "update": (fn, canonical_dots.exact_elementwise()),
+    }
+    for name, (f, options) in ways.items():
+        got = np.asarray(jax.jit(f, compiler_options=options)(*args))
         out[name] = [float(np.mean(got == two[pick])), float(np.mean(got == one[pick]))]
     print(json.dumps(out))
     """
@@ -229,9 +234,48 @@ def test_bitwise_cpu_programs_round_every_multiply_and_add():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["exact"] == [1.0, 0.0]  # every element rounded after the multiply
+    assert out["chunk"] == [1.0, 0.0]  # every element rounded after the multiply
+    assert out["update"] == [1.0, 0.0]
     assert out["xla"] == [0.0, 1.0]  # negative control: XLA's default level fuses them
-    assert canonical_dots.exact_elementwise().items() <= canonical_dots.cpu_options().items()
+
+
+_LEVEL_3 = {"xla_backend_optimization_level": "3"}
+
+
+def test_a_product_gives_the_same_bits_fused_or_not():
+    # The same `x * w + b` in a program that also returns `x * w` (the product materialized,
+    # rounded) and in one that does not (XLA:CPU fuses it into the add): the chunk programs
+    # round every product on its own, so both give the same bits, at XLA's default level.
+    rng = np.random.default_rng(0)
+    x, w, b = (rng.normal(size=4096).astype(np.float32) for _ in range(3))
+
+    def both(x, w, b):
+        y = x * w
+        return y + b, y
+
+    def fused(x, w, b):
+        return x * w + b
+
+    def run(fn, options):
+        return np.asarray(jax.jit(fn, compiler_options=options)(x, w, b)[0])
+
+    chunk = canonical_dots.cpu_options()
+    ours = [run(canonical_dots.canonicalize(f), chunk) for f in (both, lambda *a: (fused(*a),))]
+    np.testing.assert_array_equal(ours[0].view(np.uint32), ours[1].view(np.uint32))
+    np.testing.assert_array_equal(ours[1], (x * w).astype(np.float32) + b)
+    # Negative control: XLA's own at its default level fuses one and not the other.
+    plain = [run(f, _LEVEL_3) for f in (both, lambda *a: (fused(*a),))]
+    assert np.sum(plain[0] != plain[1]) > 100
+
+
+def test_rounded_keeps_every_bit():
+    specials = np.array([0.0, -0.0, 1.5, -3e-39, np.inf, -np.inf, np.nan, 3.4e38], np.float32)
+    bits = np.concatenate([specials.view(np.uint32), np.arange(0, 2**32, 9973, dtype=np.uint32)])
+    got = np.asarray(jax.jit(canonical_dots.rounded)(bits.view(np.float32)))
+    np.testing.assert_array_equal(got.view(np.uint32), bits)
+    half = jnp.array([1.5, -2.0], jnp.bfloat16)
+    assert canonical_dots.rounded(half).dtype == jnp.bfloat16
+    assert canonical_dots.rounded(jnp.arange(3)).dtype == jnp.arange(3).dtype  # ints: as they are
 
 
 def _put_back(a, b):
@@ -270,21 +314,50 @@ def test_a_chunk_programs_tanh_has_one_code_path():
     assert np.any(fused != put) or np.any(one != alone[::4])
 
 
-def test_the_chunk_programs_tanh_is_tanh():
+def _lengths_that_differ(fn, options) -> list[int]:
+    """The lengths 1-19 at which ``fn`` of a slice gives other bits than of the whole array."""
+    x = (np.random.default_rng(0).normal(size=4099) * 3).astype(np.float32)
+    compiled = jax.jit(fn, compiler_options=options)
+    whole = np.asarray(compiled(x)).view(np.uint32)
+    return [
+        n
+        for n in range(1, 20)
+        if any(
+            np.any(np.asarray(compiled(x[s : s + n])).view(np.uint32) != whole[s : s + n])
+            for s in range(0, 200, 11)
+        )
+    ]
+
+
+def test_a_chunk_programs_exp_has_one_code_path_at_every_length():
+    assert (
+        _lengths_that_differ(canonical_dots.canonicalize(jnp.exp), canonical_dots.cpu_options())
+        == []
+    )
+    if canonical_dots._legacy_emitter():  # negative control: XLA's own exp on this XLA
+        assert _lengths_that_differ(jnp.exp, _LEVEL_3) != []
+
+
+def test_the_chunk_programs_exp_is_exp():
     if not canonical_dots._legacy_emitter():
-        pytest.skip("XLA's own tanh (one code path under exact_elementwise() on this XLA)")
+        pytest.skip("XLA's own exp (one code path on this XLA)")
     rng = np.random.default_rng(1)
-    scales = (1e-6, 1e-3, 0.1, 1.0, 3.0, 10.0)
-    x = np.concatenate([rng.normal(size=20000).astype(np.float32) * s for s in scales])
-    got = np.asarray(jax.jit(canonical_dots.canonicalize(jnp.tanh))(x), np.float64)
-    exact = np.tanh(x.astype(np.float64))
-    ulps = np.abs(got - exact) / np.spacing(np.abs(exact).astype(np.float32))
-    assert ulps.max() <= 8, ulps.max()  # XLA's own tanh: up to 5 here
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-30, -1e-30], np.float32)
-    out = np.asarray(jax.jit(canonical_dots.canonicalize(jnp.tanh))(special))
-    want = np.array([0.0, -0.0, 1.0, -1.0, np.nan, 1e-30, -1e-30], np.float32)
-    np.testing.assert_array_equal(out, want)
-    assert np.signbit(out[1]) and not np.signbit(out[0])
-    half = jax.jit(canonical_dots.canonicalize(jnp.tanh))(x[:100].astype(jnp.bfloat16))
+    x = np.concatenate(
+        [
+            rng.uniform(-87, 88.7, 600000),
+            rng.normal(size=300000) * 3,
+            rng.normal(size=300000) * 1e-4,
+        ]
+    ).astype(np.float32)
+    fn = jax.jit(canonical_dots.canonicalize(jnp.exp))
+    got = np.asarray(fn(x), np.float64)
+    exact = np.exp(x.astype(np.float64))
+    ulps = np.abs(got - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 4, ulps.max()  # XLA's own: 3.9 here
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -150.0, 89.0], np.float32)
+    np.testing.assert_array_equal(np.asarray(fn(special)), [1, 1, np.inf, 0, np.nan, 0, np.inf])
+    half_x = jnp.asarray(x[600000:600100], jnp.bfloat16)
+    half = fn(half_x)
     assert half.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(half, np.float32), exact[:100], atol=1e-2)
+    want = np.exp(np.asarray(half_x, np.float64))
+    np.testing.assert_allclose(np.asarray(half, np.float64), want, rtol=1e-2)

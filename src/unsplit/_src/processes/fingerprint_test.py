@@ -43,11 +43,11 @@ def test_the_benchmarks_xla_group_sums_switch_is_a_setting_that_must_match(monke
 
 
 def test_the_benchmarks_cpu_level_switch_is_a_setting_that_must_match(monkeypatch):
-    # It compiles bitwise CPU programs at XLA's default level: other bits.
+    # It compiles bitwise CPU programs as XLA fuses them: other bits.
     from unsplit._src.bitwise import canonical_dots
 
     plain = fingerprint.bits_settings()
-    assert canonical_dots.cpu_options()["xla_backend_optimization_level"] == "0"
+    assert canonical_dots.cpu_options()["xla_backend_optimization_level"] == "3"
     monkeypatch.setenv(canonical_dots.BENCH_DEFAULT_LEVEL_ENV, "1")
     assert not canonical_dots.exact()
     assert "xla_backend_optimization_level" not in canonical_dots.cpu_options()
