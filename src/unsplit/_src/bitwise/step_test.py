@@ -347,26 +347,3 @@ def test_a_one_device_explicit_mesh_compiling_its_own_program_gives_the_bits_of_
 
     explicit = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
     assert testing.bits_equal(out(explicit), out(None))
-
-
-def test_the_combine_by_halving_gives_the_bits_of_the_all_to_all(monkeypatch):
-    # 8 groups of one chunk each (8 rows): the leaves of a perfect tree, so the combine is a
-    # reduce-scatter by recursive halving; the all_to_all of pieces gives the same bits.
-    from unsplit._src.bitwise import programs
-    from unsplit._src.bitwise.blocked import moves
-
-    calls = []
-    scatter = moves.pairwise_scatter
-    monkeypatch.setattr(moves, "pairwise_scatter", lambda *a: calls.append(a[2]) or scatter(*a))
-
-    def fresh_step():  # a new loss object: its own programs, traced now
-        loss = functools.partial(WEIGHTED)
-        return unsplit.value_and_grad(loss, weighted=True, mesh=mesh_of(8), bitwise=True)
-
-    halved = fresh_step()(PARAMS, BATCH, KEY)
-    assert calls and set(calls) == {8}
-    monkeypatch.setattr(programs, "HALVING", False)
-    calls.clear()
-    assert testing.bits_equal(fresh_step()(PARAMS, BATCH, KEY), halved)
-    assert not calls
-    assert testing.bits_equal(reference(), halved)

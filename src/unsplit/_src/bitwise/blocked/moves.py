@@ -58,41 +58,6 @@ def pairwise_sum(x: jax.Array, axes: tuple[str, ...], n: int) -> jax.Array:
     return x
 
 
-def pairwise_scatter(pieces: jax.Array, axes: tuple[str, ...], n: int) -> jax.Array:
-    """Piece ``i`` of the ``n`` devices' ``pieces`` (``(n, ...)``, inside a manual region over
-    ``axes``) added in the canonical tree over the devices' index, on device ``i``: a
-    reduce-scatter in a fixed order.
-
-    Recursive halving along the tree: at the level of bit ``b`` device ``i`` keeps the pieces
-    whose index has ``i``'s bit ``b``, sends the others to device ``i ^ 2**b`` (``ppermute``)
-    and adds what it receives (IEEE addition is commutative: both sides of a pair get the
-    same bits), so the pairs of the tree are added first, then pairs of pairs. A device sends
-    and receives ``(n - 1) / n`` of ``pieces``, as a ring reduce-scatter does; ``n`` is a
-    power of two.
-
-    Example (inside ``jax.shard_map`` over an axis ``"d"`` of 8 devices):
-        ``moves.pairwise_scatter(x.reshape(8, -1), ("d",), 8)`` then
-        ``jax.lax.all_gather(..., "d", tiled=True)`` gives ``reduce.combine``'s bits of
-        the 8 devices' ``x`` on every device.
-    """
-    if n & (n - 1) or pieces.shape[0] != n:
-        raise ValueError(
-            f"pairwise_scatter needs a power of two devices and one piece per device; got "
-            f"{n} devices and {pieces.shape[0]} pieces"
-        )
-    entry = partition.entry(axes)
-    me = jax.lax.axis_index(entry)
-    d = 1
-    while d < n:
-        pairs = pieces.reshape(pieces.shape[0] // 2, 2, *pieces.shape[1:])
-        bit = (me // d) % 2
-        keep = jax.lax.dynamic_index_in_dim(pairs, bit, axis=1, keepdims=False)
-        send = jax.lax.dynamic_index_in_dim(pairs, 1 - bit, axis=1, keepdims=False)
-        pieces = keep + jax.lax.ppermute(send, entry, [(i, i ^ d) for i in range(n)])
-        d *= 2
-    return pieces[0]
-
-
 def gather(x: jax.Array, spec: P, chunk: tuple[str, ...]) -> jax.Array:
     """``x`` (this device's block over the ``chunk`` axes, inside a manual region) whole over
     them (exact); ``spec`` says which dimensions are split over which axes."""

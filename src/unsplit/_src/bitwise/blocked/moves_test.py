@@ -55,28 +55,3 @@ def test_pairwise_exchanges_beyond_the_gather_threshold():
 def test_refuses_a_device_count_that_is_not_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         moves.pairwise_sum(jnp.ones(4), ("g",), 6)
-
-
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_pairwise_scatter_gives_each_device_its_piece_of_the_canonical_sum(n):
-    rows = _rows(n)  # device i's (n * 8,) values, cut into n pieces of 8
-    got = _across(n, lambda x: moves.pairwise_scatter(x.reshape(n, -1), ("g",), n)[None], rows)
-    expected = np.asarray(reduce.combine({(i, 1): rows[i] for i in range(n)}, n, np.add))
-    for device in range(n):
-        np.testing.assert_array_equal(got[device], expected.reshape(n, -1)[device])
-    if n > 2:  # Negative control: the rows added left to right give other bits.
-        assert not np.array_equal(functools.reduce(np.add, rows), expected)
-
-
-def test_pairwise_scatter_exchanges_and_refuses_what_it_cannot_split():
-    n = 8
-    fn = jax.shard_map(
-        lambda x: moves.pairwise_scatter(x.reshape(n, -1), ("g",), n)[None],
-        mesh=_mesh(n), in_specs=P("g"), out_specs=P("g"), check_vma=False,
-    )  # fmt: skip
-    hlo = jax.jit(fn).lower(jnp.asarray(_rows(n))).compile().as_text()
-    assert "collective-permute" in hlo and "all-to-all" not in hlo
-    with pytest.raises(ValueError, match="power of two devices and one piece per device"):
-        moves.pairwise_scatter(jnp.ones((6, 2)), ("g",), 6)
-    with pytest.raises(ValueError, match="got 4 devices and 2 pieces"):
-        moves.pairwise_scatter(jnp.ones((2, 2)), ("g",), 4)
