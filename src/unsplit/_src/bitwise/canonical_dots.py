@@ -269,10 +269,10 @@ def _equation(eqn: core.JaxprEqn, invals: list[Any]) -> Any:
     name = eqn.primitive.name
     if eqn.primitive is primitives.dot_general_p:
         return _canonical_dot(*invals, **eqn.params)
-    if name in _ROUNDED and exact() and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
-        if name == "exp" and _legacy_emitter():
+    if name in _ROUNDED and exact():
+        if name == "exp" and _legacy_emitter() and jnp.issubdtype(invals[0].dtype, jnp.floating):
             return _exp(*invals)  # ends in an add or a division: nothing to fuse into an add
-        return rounded(jaxpr_eval.bind(eqn, invals, eqn.params))
+        return rounded(jaxpr_eval.bind(eqn, invals, eqn.params))  # real floats only
     if name in _INLINED:  # post-AD: the primal computation, nothing differentiates it
         body: Any = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
         return _eval(body.jaxpr, body.consts, *invals)

@@ -120,3 +120,25 @@ def test_one_launch_on_every_device_gives_the_bits_of_the_one_device_program():
     args[3] = (copies[0][devices[3]], other)
     want = compiled(*jax.device_put((w, other), one))
     assert unsplit.testing.bits_equal(program(args)[3], want)
+
+
+@pytest.mark.parametrize("order", ["mesh", "reversed 2-D"])
+def test_replicated_leaves_go_in_whole_and_each_device_keeps_its_result(order):
+    # The update of replicated params (LoRA adapters): its leaves go to the replicas as they
+    # are held (one buffer per device in the mesh's order), for a mesh in any device order.
+    devices = jax.devices()[:8]
+    if order == "mesh":
+        mesh = jax.make_mesh((8,), ("data",))
+    else:
+        mesh = jax.sharding.Mesh(np.array(devices[::-1]).reshape(2, 4), ("a", "b"))
+    replicated = jax.NamedSharding(mesh, jax.P())
+    w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)), replicated)
+    g = jax.device_put(jax.random.normal(jax.random.key(1), (64, 32)), replicated)
+    update = jax.jit(lambda w, g: (w - 0.1 * jnp.tanh(g),))
+    everywhere = relocate.OnEveryDevice(update, mesh, devices[0])
+    assert everywhere.accepts((w, g))
+    (out,) = everywhere((w, g), like=(w,))
+    assert out.sharding == w.sharding
+    want = update(*jax.device_put(jax.device_get((w, g)), devices[0]))[0]
+    for shard in out.addressable_shards:
+        assert unsplit.testing.bits_equal(shard.data, want)
