@@ -212,8 +212,8 @@ def _exp(x):
     length. XLA:CPU (JAX 0.10.2) at its default level computes ``exp`` in a vectorized loop
     for some lengths (3, 5-7, 11, 13-15 of 1-19) with other bits than in its scalar loop;
     its ``expm1`` gave the same bits at every length. ``expm1(x) + 1`` for ``x >= 0``,
-    ``1 / (expm1(-x) + 1)`` below. Measured within 4 ulp of the exact value over 1.2M samples
-    (XLA's own: 3.9); +-inf and NaN kept; results below the smallest normal flush to 0, as
+    ``1 / (expm1(-x) + 1)`` below. Measured within 3.9 ulp of the exact value over 1.2M
+    samples, 3.3 below 88 (XLA's own: 1.0 below 88, 3.9 near overflow); +-inf and NaN kept; results below the smallest normal flush to 0, as
     XLA:CPU's own (it computes with denormals flushed)."""
     wide = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.float32
     v = x.astype(wide)

@@ -353,7 +353,8 @@ def test_the_chunk_programs_exp_is_exp():
     got = np.asarray(fn(x), np.float64)
     exact = np.exp(x.astype(np.float64))
     ulps = np.abs(got - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
-    assert ulps.max() <= 4, ulps.max()  # XLA's own: 3.9 here
+    # Measured 3.9 (3.3 below 88); XLA's own exp: 1.0 below 88, 3.9 near overflow.
+    assert ulps.max() <= 5, ulps.max()
     special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -150.0, 89.0], np.float32)
     np.testing.assert_array_equal(np.asarray(fn(special)), [1, 1, np.inf, 0, np.nan, 0, np.inf])
     half_x = jnp.asarray(x[600000:600100], jnp.bfloat16)

@@ -154,20 +154,10 @@ class Replicas:
             if tree != self.in_tree:
                 raise TypeError(f"expected arguments {self.in_tree}; got {tree}")
             flat.append(leaves)
-        outs = self.run_flat(flat)
-        return [
-            jax.tree.unflatten(self.out_tree, [out[i] for out in outs])
-            for i in range(len(self.devices))
-        ]
-
-    def run_flat(self, per_device: list[list]) -> list[list]:
-        """Each device's argument leaves (in ``in_tree``'s order) -> each output leaf's
-        per-device arrays: no pytree is built per device (an NNX state's Variables cost
-        host time to unflatten)."""
         columns = zip(
             *(
                 [_buffer(x, d) for x in leaves]
-                for leaves, d in zip(per_device, self.devices, strict=True)
+                for leaves, d in zip(flat, self.devices, strict=True)
             ),
             strict=True,
         )
@@ -175,7 +165,11 @@ class Replicas:
             jax.make_array_from_single_device_arrays(pieces[0].shape, self.sharding, list(pieces))
             for pieces in columns
         ]
-        return self.execute(arrays)
+        outs = self.execute(arrays)
+        return [
+            jax.tree.unflatten(self.out_tree, [out[i] for out in outs])
+            for i in range(len(self.devices))
+        ]
 
     def execute(self, arrays: Sequence[jax.Array]) -> list[list]:
         """Arrays whose device ``i`` holds device ``i``'s argument (in ``in_tree``'s order;

@@ -300,7 +300,7 @@ def bits_settings() -> dict[str, str]:
     if os.environ.get(_BENCH_XLA_GROUP_REDUCE) == "1":
         settings["fsdp group sums"] = f"XLA's ({_BENCH_XLA_GROUP_REDUCE}=1)"
     if os.environ.get(_BENCH_CPU_DEFAULT_LEVEL) == "1":
-        settings["cpu programs"] = f"XLA's default level ({_BENCH_CPU_DEFAULT_LEVEL}=1)"
+        settings["cpu programs"] = f"as XLA fuses them ({_BENCH_CPU_DEFAULT_LEVEL}=1)"
     return settings
 
 
