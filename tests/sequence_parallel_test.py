@@ -20,6 +20,9 @@ from jax.sharding import PartitionSpec as P
 import unsplit
 import unsplit.testing
 
+# The bits across model-parallel degrees at XLA's default level, as users compile them.
+pytestmark = pytest.mark.usefixtures("users_chunk_level")
+
 S, D = 32, 16
 KEY = jax.random.key(3)
 

@@ -65,6 +65,7 @@ def program_key(
         programs.CANONICAL_DOTS,
         group_reduce.fixed_order(),
         canonical_dots.exact(),
+        canonical_dots.pinned_level(),
         spec.weighted,
         spec.has_aux,
         plan.structure,

@@ -82,6 +82,21 @@ def exact() -> bool:
     return os.environ.get(BENCH_DEFAULT_LEVEL_ENV) != "1"
 
 
+# A switch for the test suite, not a setting: with it "1" (read when a step's programs are
+# made; part of their cache key) the CPU chunk programs compile at the process's level (the
+# suite's 0: compiling is most of its time; the rounding identities stay), not XLA's
+# default. The modules that hold the bits across model-parallel degrees and the rounding
+# itself turn it off (the ``users_chunk_level`` fixture), and `./dev test-newest` never
+# sets it: there every chunk program compiles at the level users get.
+SUITE_PROCESS_LEVEL_ENV = "UNSPLIT_TEST_CHUNK_PROGRAMS_AT_PROCESS_LEVEL"
+
+
+def pinned_level() -> bool:
+    """Whether bitwise CPU chunk programs made now compile at XLA's default level (always,
+    outside the test suite's switch ``UNSPLIT_TEST_CHUNK_PROGRAMS_AT_PROCESS_LEVEL``)."""
+    return os.environ.get(SUITE_PROCESS_LEVEL_ENV) != "1"
+
+
 # YNNPACK fusions for dots only. Not ELTWISE (which XLA's CPU default has): elementwise
 # ops give the same bits at any thread count in XLA's own loop fusions (measured: the test
 # transformer's bitwise grads at 1 and 16 threads), and with it the test transformer's
@@ -134,7 +149,8 @@ def cpu_options() -> dict[str, str | bool]:
     if not exact():
         return dict(_DOTS_ON_THE_LIBRARY)
     one_wide = {} if _legacy_emitter() else {"xla_cpu_prefer_vector_width": "1"}
-    return {**_DOTS_ON_THE_LIBRARY, **_DEFAULT_LEVEL, **one_wide}
+    level = _DEFAULT_LEVEL if pinned_level() else {}
+    return {**_DOTS_ON_THE_LIBRARY, **level, **one_wide}
 
 
 _INLINED = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")

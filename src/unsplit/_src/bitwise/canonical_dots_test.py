@@ -16,6 +16,9 @@ import pytest
 from unsplit._src import test_util as testing
 from unsplit._src.bitwise import canonical_dots
 
+# The bits across model-parallel degrees at XLA's default level, as users compile them.
+pytestmark = pytest.mark.usefixtures("users_chunk_level")
+
 # XLA's CPU compiler with no YNNPACK fusion: dots on Eigen, the path the guard must catch.
 _YNN_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
 

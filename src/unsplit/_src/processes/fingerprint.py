@@ -301,6 +301,8 @@ def bits_settings() -> dict[str, str]:
         settings["fsdp group sums"] = f"XLA's ({_BENCH_XLA_GROUP_REDUCE}=1)"
     if os.environ.get(_BENCH_CPU_DEFAULT_LEVEL) == "1":
         settings["cpu programs"] = f"as XLA fuses them ({_BENCH_CPU_DEFAULT_LEVEL}=1)"
+    elif os.environ.get(_SUITE_PROCESS_LEVEL) == "1":
+        settings["cpu programs"] = f"at the process's level ({_SUITE_PROCESS_LEVEL}=1)"
     return settings
 
 
@@ -308,6 +310,8 @@ def bits_settings() -> dict[str, str]:
 _BENCH_XLA_GROUP_REDUCE = "UNSPLIT_BENCH_XLA_GROUP_REDUCE"
 # bitwise/canonical_dots.py's (read there).
 _BENCH_CPU_DEFAULT_LEVEL = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"
+# And the test suite's switch there (its chunk programs at the suite's level).
+_SUITE_PROCESS_LEVEL = "UNSPLIT_TEST_CHUNK_PROGRAMS_AT_PROCESS_LEVEL"
 
 
 # NCCL settings that choose a reduction's algorithm, hence the order of its adds.

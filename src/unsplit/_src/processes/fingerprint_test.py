@@ -1,6 +1,7 @@
 """The settings a bitwise step's bits depend on."""
 
 import jax
+import pytest
 
 from unsplit._src.processes import fingerprint
 
@@ -42,6 +43,7 @@ def test_the_benchmarks_xla_group_sums_switch_is_a_setting_that_must_match(monke
     assert switched != plain and "UNSPLIT_BENCH_XLA_GROUP_REDUCE=1" in switched["fsdp group sums"]
 
 
+@pytest.mark.usefixtures("users_chunk_level")
 def test_the_benchmarks_cpu_level_switch_is_a_setting_that_must_match(monkeypatch):
     # It compiles bitwise CPU programs as XLA fuses them: other bits.
     from unsplit._src.bitwise import canonical_dots
@@ -53,3 +55,17 @@ def test_the_benchmarks_cpu_level_switch_is_a_setting_that_must_match(monkeypatc
     assert "xla_backend_optimization_level" not in canonical_dots.cpu_options()
     switched = fingerprint.bits_settings()
     assert switched != plain and "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL=1" in switched["cpu programs"]
+
+
+def test_the_suites_chunk_level_switch_is_a_setting_that_must_match(monkeypatch):
+    from unsplit._src.bitwise import canonical_dots
+
+    monkeypatch.delenv(canonical_dots.SUITE_PROCESS_LEVEL_ENV, raising=False)
+    plain = fingerprint.bits_settings()
+    assert canonical_dots.pinned_level() and "cpu programs" not in plain
+    assert canonical_dots.cpu_options()["xla_backend_optimization_level"] == "3"
+    monkeypatch.setenv(canonical_dots.SUITE_PROCESS_LEVEL_ENV, "1")
+    assert not canonical_dots.pinned_level()
+    assert "xla_backend_optimization_level" not in canonical_dots.cpu_options()
+    switched = fingerprint.bits_settings()
+    assert "PROCESS_LEVEL=1" in switched["cpu programs"]

@@ -11,6 +11,9 @@ from unsplit._src import test_util as tu
 from unsplit._src.bitwise.blocked import chunk
 from unsplit._src.models import transformer as tf
 
+# The bits across model-parallel degrees at XLA's default level, as users compile them.
+pytestmark = pytest.mark.usefixtures("users_chunk_level")
+
 CONFIG = tf.TransformerConfig(vocab=32, length=8, width=32, heads=16, layers=1)
 MODEL = tf.Transformer(CONFIG)
 PARAMS = tf.init_params(MODEL)
