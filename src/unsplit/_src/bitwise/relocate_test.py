@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import unsplit
@@ -142,3 +143,82 @@ def test_replicated_leaves_go_in_whole_and_each_device_keeps_its_result(order):
     want = update(*jax.device_put(jax.device_get((w, g)), devices[0]))[0]
     for shard in out.addressable_shards:
         assert unsplit.testing.bits_equal(shard.data, want)
+
+
+_OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw_clipped": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3)),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "lion": lambda: optax.lion(1e-4),
+    "adafactor": lambda: optax.adafactor(1e-3),
+}
+
+
+@pytest.mark.usefixtures("standard_promotion")  # optax mixes Python floats and int32
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+@pytest.mark.parametrize("shape", [(8,), (4, 2)])
+def test_the_spmd_update_of_replicated_leaves_gives_the_one_device_programs_bits(name, shape):
+    # The update of LoRA adapters as one SPMD program (one asynchronous launch) once it is
+    # seen to give the one-device program's bits; then on real values of several steps, every
+    # device's copy of every leaf is that program's, and a second call compiles nothing.
+    tx = _OPTIMIZERS[name]()
+    devices = jax.devices()[:8]
+    axes = ("data",) if len(shape) == 1 else ("data", "model")
+    mesh = jax.sharding.Mesh(np.array(devices[::-1]).reshape(shape), axes)
+    replicated = jax.NamedSharding(mesh, jax.P())
+    params = {"a": jax.random.normal(jax.random.key(0), (64, 8)), "b": jnp.zeros((8, 33))}
+
+    def update(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    everywhere = relocate.OnEveryDevice(jax.jit(update), mesh, devices[0])
+    one_device = jax.jit(update)
+    trees = jax.device_put((params, tx.init(params)), replicated)
+    for step in range(3):
+        grads = {
+            k: jax.random.normal(jax.random.key(10 * step + i), p.shape)
+            for i, (k, p) in enumerate(params.items())
+        }
+        args = (*trees, jax.device_put(grads, replicated))
+        assert everywhere.accepts(args)
+        trees = everywhere(args, like=args[:2])
+        want = one_device(*jax.device_put(jax.device_get(args), devices[0]))
+        for got, expected in zip(jax.tree.leaves(trees), jax.tree.leaves(want), strict=True):
+            assert got.sharding.is_fully_replicated and got.sharding.mesh == mesh
+            for shard in got.addressable_shards:
+                assert unsplit.testing.bits_equal(shard.data, expected)
+    assert list(everywhere.verified.values()) == [True]  # the SPMD program, one signature
+    program, _ = next(iter(everywhere._programs.values()))
+    assert not isinstance(program, relocate.Replicas) and program._cache_size() == 1
+
+
+def test_a_program_that_gives_other_bits_is_found_and_the_replicas_run_instead(monkeypatch):
+    # The check itself: a program whose bits differ from the one-device program's in a last
+    # place only is told apart on random inputs; and when the check fails, the one-device program's machine
+    # code runs on every device (Replicas), with its bits.
+    one = jax.sharding.make_single_device_sharding(jax.devices()[0])
+    mesh = jax.make_mesh((8,), ("data",))
+    whole = jax.NamedSharding(mesh, jax.P())
+    avals = [jax.ShapeDtypeStruct((4096,), jnp.float32, sharding=one)] * 3
+
+    def written(a, b, c):
+        return (a * b + c,)
+
+    def other(a, b, c):  # the same up to a rounding in the last place of some elements
+        return (a * (b * (1 + 2**-23)) + c,)
+
+    compiled = jax.jit(written).lower(*avals).compile()
+    leaves = [jax.device_put(jnp.ones(4096), whole)] * 3
+    treedef = jax.tree.structure((0, 0, 0))
+    same = relocate._same_bits(compiled, jax.jit(written), leaves, treedef, one, whole)
+    differs = relocate._same_bits(compiled, jax.jit(other), leaves, treedef, one, whole)
+    assert same and not differs
+    monkeypatch.setattr(relocate, "_same_bits", lambda *args: False)
+    everywhere = relocate.OnEveryDevice(jax.jit(written), mesh, jax.devices()[0])
+    x = [jax.device_put(jax.random.normal(jax.random.key(i), (4096,)), whole) for i in range(3)]
+    (out,) = everywhere(tuple(x))
+    assert list(everywhere.verified.values()) == [False]
+    assert isinstance(next(iter(everywhere._programs.values()))[0], relocate.Replicas)
+    want = compiled(*jax.device_put(jax.device_get(x), jax.devices()[0]))[0]
+    assert all(unsplit.testing.bits_equal(s.data, want) for s in out.addressable_shards)
