@@ -329,7 +329,7 @@ def main() -> None:
         "step memory per device vs plain step",
     ]  # fmt: skip
     dominated = measure_frozen_dominated(
-        mesh, (width, layers, batch), repeats=3 if args.quick else 15
+        mesh, (width, layers, batch), repeats=3 if args.quick else 31
     )
     common.print_table("a frozen-dominated LoRA train step", dominated_header, dominated)
     if common.should_write(args):
