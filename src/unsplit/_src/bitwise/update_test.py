@@ -103,3 +103,22 @@ def test_a_replicated_update_runs_on_every_device_with_the_bits_of_one():
     for got, expected in zip((new_w, new_m), want, strict=True):
         for shard in got.addressable_shards:
             assert np.asarray(shard.data).tobytes() == np.asarray(expected).tobytes()
+
+
+def test_a_grouped_update_takes_params_that_are_a_list():
+    # Params as a list of matrices (a plain MLP's): the group program's specs per leaf are
+    # not confused with the user's list (it raised a pytree structure error in shard_map).
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    fsdp = NamedSharding(mesh, P("fsdp"))
+    ws = [jax.device_put(VALUES[: 8 * (i + 1)] * (i + 1), fsdp) for i in range(3)]
+    gs = [jax.device_put(jnp.ones_like(w), fsdp) for w in ws]
+
+    def update(ws, gs):
+        norm = jnp.sqrt(sum(jnp.sum(g**2) for g in gs))
+        return ([w - 0.1 * g / norm for w, g in zip(ws, gs, strict=True)],)
+
+    (new,) = GroupedUpdate(update, mesh, outputs=1, axes=("fsdp",))(ws, gs)
+    (want,) = jax.jit(update)(jax.device_get(ws), jax.device_get(gs))
+    assert isinstance(new, list) and [w.sharding for w in new] == [fsdp] * 3
+    for got, expected in zip(new, want, strict=True):
+        assert np.allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=0)

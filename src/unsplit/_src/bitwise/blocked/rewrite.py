@@ -173,11 +173,18 @@ def _is_spec(x: Any) -> bool:
 def _broadcast(specs: Any, tree: Any) -> list[P]:
     """One spec per leaf of ``tree`` from ``specs``, a tree prefix of it."""
     per = jax.tree.map(
-        lambda s, sub: [s] * len(jax.tree.leaves(sub)), specs, tree, is_leaf=_is_spec
+        lambda s, sub: _Each(s, len(jax.tree.leaves(sub))), specs, tree, is_leaf=_is_spec
     )
-    return [
-        s for group in jax.tree.leaves(per, is_leaf=lambda x: isinstance(x, list)) for s in group
-    ]
+    # Not lists of specs: a list in the user's tree (params as a list of arrays) would be
+    # taken for one.
+    return [s for each in jax.tree.leaves(per) for s in [each.spec] * each.count]
+
+
+class _Each:
+    """A spec for each of ``count`` leaves (a leaf of the tree of them)."""
+
+    def __init__(self, spec: P, count: int):
+        self.spec, self.count = spec, count
 
 
 def _as_int(collective, x, axes: tuple[str, ...]) -> Any:
