@@ -190,8 +190,8 @@ class OnEveryDevice:
     of the replicas below on 8 CPU devices) once that program is seen to give the
     one-device program's bits, leaf for leaf, on random inputs of the signature (each float
     leaf drawn from a fixed seed: a product fused otherwise, another vector loop or another
-    reduction order would show in every leaf of more than a few elements); else (and on
-    keys) as :class:`Replicas` of the one-device program's machine code.
+    reduction order would show in every leaf of more than a few elements); else as
+    :class:`Replicas` of the one-device program's machine code.
     :attr:`verified` holds the outcome per input signature.
 
     Example:
@@ -280,8 +280,9 @@ def _same_bits(compiled, spmd, leaves: list, treedef, device, whole) -> bool:
     with jax.set_mesh(None):
         many = spmd(*jax.tree.unflatten(treedef, [jax.device_put(v, whole) for v in drawn]))
     return all(
-        _bits(a) == _bits(b.addressable_data(0))
+        _bits(a) == _bits(shard.data)
         for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many), strict=True)
+        for shard in b.addressable_shards
     )
 
 
