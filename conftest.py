@@ -34,14 +34,15 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
-@pytest.fixture
-def users_chunk_level(monkeypatch):
+@pytest.fixture(scope="module")
+def users_chunk_level():
     """Bitwise CPU chunk programs at XLA's default level, as users compile them (the suite
-    compiles them at its level 0 otherwise): a module that tests the bits across
-    model-parallel degrees asks for it with ``pytestmark =
+    compiles them at its level 0 otherwise), for a whole module (its module fixtures too): a
+    module that tests the bits across model-parallel degrees asks for it with ``pytestmark =
     pytest.mark.usefixtures("users_chunk_level")``."""
-    monkeypatch.delenv("UNSPLIT_TEST_CHUNK_PROGRAMS_AT_PROCESS_LEVEL", raising=False)
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("UNSPLIT_TEST_CHUNK_PROGRAMS_AT_PROCESS_LEVEL", raising=False)
+        yield
 
 
 @pytest.fixture

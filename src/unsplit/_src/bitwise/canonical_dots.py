@@ -50,30 +50,20 @@ from jax.extend.core import primitives
 
 from unsplit._src.step import dot_transposes, jaxpr_eval
 
-# XLA:CPU at its default backend optimization level fuses each multiply that feeds an add
-# in the same fusion into one fused multiply-add (one rounding instead of two: `x * y + z`
-# gives the fused result for every element, measured), so an element's bits follow XLA's
-# fusion choices, which differ between programs of other shapes (other tensor, sequence or
-# FSDP-group degrees computing the same canonical blocks). Level 0 rounds every operation as
-# written but emits slow code (no vectorized loops): it cost 1.5-2x a bitwise step. The chunk
-# programs compile at XLA's default level instead, with every product's result behind an
-# exact identity that neither XLA nor LLVM can see through (:func:`rounded`), so no product
-# is fused into an add in any program. What else followed the fusion or the array's length
-# there, measured on every length from 1 to 19 and in fusions (JAX 0.10.2: `exp`, vectorized
-# for lengths 3, 5-7, 11, 13-15 with other bits than its scalar loop; 0.12.1: `tanh` at 10,
-# 12, 18): on 0.10.2 `exp` is computed from `expm1` (:func:`_exp`), on 0.12.1 the programs
-# compile with vectors of one element. Left as XLA computes them: `erf` (differs alone and
-# fused with a transpose on 0.10.2, at level 0 too) and functions not measured.
+# XLA:CPU at its default level fuses a multiply feeding an add into one FMA (one rounding),
+# following fusion choices that differ between programs of other degrees; level 0 rounds as
+# written but cost 1.5-2x a step. The chunk programs compile at the default level with every
+# product behind an identity XLA cannot see through (:func:`rounded`); what followed the
+# array's length (0.10.2: `exp`, :func:`_exp`; 0.12.1: `tanh`, vectors of one element) is
+# fixed too; `erf` is left as XLA computes it. Measured: the guide, "XLA's CPU optimization level".
 _DEFAULT_LEVEL: dict[str, str | bool] = {"xla_backend_optimization_level": "3"}
 # The FSDP groups' fixed-order update (not rewritten by :func:`canonicalize`) compiles at
 # level 0, which rounds as written without the identities.
 _EXACT_ELEMENTWISE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
 
-# A switch for measuring what exact elementwise code costs, not a setting: with it "1"
-# (read when a step's programs are made; part of their cache key) the CPU chunk programs
-# compile as XLA fuses them (no rounding identities, XLA's `exp`, the process's level), so
-# their bits hold across data degrees and microbatches but not across model-parallel
-# degrees. lora_bench and degrees_bench set it for one comparison row each.
+# A measuring switch, not a setting: with it "1" (read when a step's programs are made; in
+# their cache key) the CPU chunk programs compile as XLA fuses them: bits kept across data
+# degrees and microbatches, not model-parallel degrees (lora_bench, degrees_bench: one row).
 BENCH_DEFAULT_LEVEL_ENV = "UNSPLIT_BENCH_CPU_DEFAULT_LEVEL"
 
 
@@ -82,18 +72,13 @@ def exact() -> bool:
     return os.environ.get(BENCH_DEFAULT_LEVEL_ENV) != "1"
 
 
-# A switch for the test suite, not a setting: with it "1" (read when a step's programs are
-# made; part of their cache key) the CPU chunk programs compile at the process's level (the
-# suite's 0: compiling is most of its time; the rounding identities stay), not XLA's
-# default. The modules that hold the bits across model-parallel degrees and the rounding
-# itself turn it off (the ``users_chunk_level`` fixture), and `./dev test-newest` never
-# sets it: there every chunk program compiles at the level users get.
+# The test suite's switch (conftest.py), not a setting: with it "1" (in the cache key) the
+# CPU chunk programs compile at the process's level (the suite's 0), rounding kept.
 SUITE_PROCESS_LEVEL_ENV = "UNSPLIT_TEST_CHUNK_PROGRAMS_AT_PROCESS_LEVEL"
 
 
 def pinned_level() -> bool:
-    """Whether bitwise CPU chunk programs made now compile at XLA's default level (always,
-    outside the test suite's switch ``UNSPLIT_TEST_CHUNK_PROGRAMS_AT_PROCESS_LEVEL``)."""
+    """Whether bitwise CPU chunk programs made now compile at XLA's default level."""
     return os.environ.get(SUITE_PROCESS_LEVEL_ENV) != "1"
 
 

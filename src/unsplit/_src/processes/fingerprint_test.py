@@ -1,7 +1,6 @@
 """The settings a bitwise step's bits depend on."""
 
 import jax
-import pytest
 
 from unsplit._src.processes import fingerprint
 
@@ -43,10 +42,11 @@ def test_the_benchmarks_xla_group_sums_switch_is_a_setting_that_must_match(monke
     assert switched != plain and "UNSPLIT_BENCH_XLA_GROUP_REDUCE=1" in switched["fsdp group sums"]
 
 
-@pytest.mark.usefixtures("users_chunk_level")
 def test_the_benchmarks_cpu_level_switch_is_a_setting_that_must_match(monkeypatch):
     # It compiles bitwise CPU programs as XLA fuses them: other bits.
     from unsplit._src.bitwise import canonical_dots
+
+    monkeypatch.delenv(canonical_dots.SUITE_PROCESS_LEVEL_ENV, raising=False)
 
     plain = fingerprint.bits_settings()
     assert canonical_dots.cpu_options()["xla_backend_optimization_level"] == "3"
