@@ -59,9 +59,10 @@ class FlatPlan:
         shapes: Sequence[tuple[int, ...]] | None = None,
         *,
         direct: Sequence[bool] | None = None,
+        multiple: int = 1,
     ) -> FlatPlan:
         """The plan for ``arrays`` (or their given local ``shapes``); ``direct`` marks those
-        that are not packed."""
+        that are not packed; each vector's length is padded (zeros) to a ``multiple``."""
         shapes = [tuple(np.shape(a)) for a in arrays] if shapes is None else list(shapes)
         direct = (False,) * len(shapes) if direct is None else tuple(direct)
         is_key = [keys_lib.is_typed_key(a) for a in arrays]
@@ -81,6 +82,7 @@ class FlatPlan:
             v = vectors.index(storage)
             slots.append((v, lengths[v]))
             lengths[v] += math.prod(shape) * per_element
+        lengths = [-(-n // multiple) * multiple for n in lengths]
         return FlatPlan(
             tuple(shapes),
             tuple(dtypes),
@@ -107,7 +109,7 @@ class FlatPlan:
         for a, dtype, (v, _) in zip(arrays, dtypes, slots, strict=True):
             data = jax.random.key_data(a) if jnp.issubdtype(dtype, jax.dtypes.prng_key) else a
             parts[v].append(jnp.ravel(data).astype(self.vectors[v]))
-        return [_joined(p, d) for p, d in zip(parts, self.vectors, strict=True)]
+        return [_joined(p, d, n) for p, d, n in zip(parts, self.vectors, self.lengths, strict=True)]
 
     def unpack(self, vectors: Sequence[jax.Array]) -> list[jax.Array]:
         """Every array back, in order: from the flat vectors (exact: slices and reshapes),
@@ -136,8 +138,9 @@ class FlatPlan:
         return [next(direct_it) if alone else next(packed_it) for alone in self.direct]
 
 
-def _joined(parts: Sequence[jax.Array], dtype: Any) -> jax.Array:
-    """``jnp.concatenate(parts)``, written as each part put in place in a zero vector.
+def _joined(parts: Sequence[jax.Array], dtype: Any, length: int) -> jax.Array:
+    """``jnp.concatenate(parts)`` (zeros after them up to ``length``), written as each part
+    put in place in a zero vector.
 
     XLA:CPU emits a concatenate fused with its producers as one vectorized loop over the
     whole output that evaluates the operands at every element (masked): with a
@@ -149,10 +152,13 @@ def _joined(parts: Sequence[jax.Array], dtype: Any) -> jax.Array:
     Parts typed on an Explicit mesh are concatenated (an update-slice would need the zero
     vector on that mesh too); chunk programs run manual or on one device.
     """
-    if any(map(_on_explicit_axes, parts)):
-        return jnp.concatenate(parts)
     offsets = np.cumsum([0, *(p.shape[0] for p in parts)])
-    out = jnp.zeros((int(offsets[-1]),), dtype)
+    if any(map(_on_explicit_axes, parts)):
+        padding = jnp.zeros((length - int(offsets[-1]),), dtype)
+        return (
+            jnp.concatenate([*parts, padding]) if length > offsets[-1] else jnp.concatenate(parts)
+        )
+    out = jnp.zeros((length,), dtype)
     for k in sorted(range(len(parts)), key=lambda k: -parts[k].shape[0]):
         out = jax.lax.dynamic_update_slice(out, parts[k], (int(offsets[k]),))
     return out

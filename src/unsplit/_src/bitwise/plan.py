@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -31,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import reduce
+from unsplit._src.bitwise import pairwise, reduce
 from unsplit._src.bitwise.flat import FlatPlan
 from unsplit._src.step import constraints, sums
 from unsplit._src.step.layout import Layout
@@ -56,7 +57,7 @@ class Plan:
     chunk: int
     chunks: int  # in the global batch
     per_group: int  # chunks per group
-    slots: int  # partial sums a group holds at most
+    slots: int  # aligned blocks a group's chunks add up to, at most (the combine's inputs)
     canonical_blocks: int = 8  # blocks of a dimension a model or sequence axis splits
     region_axes: tuple[str, ...] = ()  # the axes of the loss's own shard_map regions
 
@@ -99,6 +100,12 @@ class Plan:
         if not self.group_axes:
             return Mesh(self.group_devices(g).reshape(1), ("_",))
         return Mesh(self.group_devices(g), self.group_axes)
+
+    def pack_sums(self, parts: Sequence[Any]) -> list[Any]:
+        """A chunk's ``(grads..., loss_sum, weight)`` as the sums' flat vectors, every ``-0``
+        written ``+0`` (:func:`~unsplit._src.bitwise.pairwise.positive_zeros`: no sum the
+        canonical tree adds is ``-0``, so a collective that adds into zeros keeps its bits)."""
+        return self.sums_flat.pack(pairwise.positive_zeros(list(parts)))
 
     def blocks(self, g: int) -> list[reduce.Block]:
         return reduce.aligned_blocks(g * self.per_group, (g + 1) * self.per_group)
@@ -145,11 +152,15 @@ def make_plan(
     # Frozen leaves travel as themselves (the caller's buffers, or gathered over the outer
     # batch axes), never copied into the vectors: placement.Held.
     params_flat = FlatPlan.of(arrays, local_shapes, direct=structure.frozen)
-    sums_flat = _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key)
     chunks = size // chunk
     groups = math.prod(compute.shape[a] for a in outer_axes)
+    # Padded to a multiple of the groups: the combine cuts each vector into one piece per group.
+    sums_flat = _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key, groups)
     per_group = chunks // groups
-    slots = max(_depth(g * per_group, per_group) for g in range(groups))
+    # The blocks a group ends with (one when its share is one aligned subtree).
+    slots = max(
+        len(reduce.aligned_blocks(g * per_group, (g + 1) * per_group)) for g in range(groups)
+    )
     plan = Plan(
         layout=layout,
         structure=structure,
@@ -227,7 +238,7 @@ def _activation_axes(spec, structure, arrays, batch, key, layout: Layout):
     )
 
 
-def _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key) -> FlatPlan:
+def _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key, multiple) -> FlatPlan:
     """The flat layout of a chunk's sums: the grads (wide floats), then loss and weight."""
     diff_shapes = [s for s, d in zip(local_shapes, structure.diff, strict=True) if d]
     grads = [
@@ -242,7 +253,7 @@ def _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key) -> F
         else _loss_dtype(spec, layout, structure, arrays, batch, key)
     )
     scalars = [jax.ShapeDtypeStruct((), loss_dtype), jax.ShapeDtypeStruct((), loss_dtype)]
-    return FlatPlan.of([*grads, *scalars])
+    return FlatPlan.of([*grads, *scalars], multiple=multiple)
 
 
 def _spec_on(x: Any, mesh: Mesh) -> P:
@@ -273,16 +284,6 @@ def _compute_mesh(mesh: Mesh, batch_axes: tuple[str, ...], group_axes: tuple[str
     if not batch_axes:
         grid, axes, axis_types = grid[None], (_GROUPS, *axes), (axis_types[0], *axis_types)
     return Mesh(grid, axes, axis_types=axis_types)
-
-
-def _depth(start: int, count: int) -> int:
-    """The most partial sums alive while a group accumulates chunks ``[start, start + count)``."""
-    acc = reduce.Accumulator(add=lambda a, b: None)
-    deepest = 0
-    for i in range(start, start + count):
-        acc.push(i, None)
-        deepest = max(deepest, acc.depth)
-    return max(deepest, 1)
 
 
 # Per loss function: the loss sums' dtype per (params, example, key) signature, so a new

@@ -1,4 +1,4 @@
-"""The four programs of a bitwise step: pack, chunk (per group), combine, unpack.
+"""The programs of a bitwise step: pack, chunk (per group), unpack (combine: its module).
 
 1. ``pack`` (the user's mesh, one SPMD program): every device's local blocks
    of the params as flat vectors; params sharded over the batch axes (FSDP) are
@@ -12,9 +12,8 @@
    On CPU its dots are put in a canonical layout on the YNNPACK path, so its bits
    do not depend on the thread count (:mod:`unsplit._src.bitwise.canonical_dots`).
 3. ``combine`` (the compute mesh): the groups' blocks added in the same tree,
-   as a fixed-order reduce-scatter (an ``all_to_all`` of pieces, each group
-   adding its piece's blocks in the tree) and an all-gather: a ring
-   all-reduce's bytes. Never a ``psum``.
+   by reduce-scatters of two devices or a fixed-order ``all_to_all``, then an
+   all-gather (:mod:`unsplit._src.bitwise.combine`). Never a ``psum``.
 4. ``unpack`` (the user's mesh): the total back into grads with the params'
    shardings, divided once by the global weight.
 
@@ -36,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import canonical_dots, placement, reduce
+from unsplit._src.bitwise import canonical_dots, pairwise, placement
 from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.bitwise.blocked import chunk as blocked_chunk
 from unsplit._src.bitwise.fsdp import group_reduce
@@ -158,14 +157,14 @@ class GroupIO:
         """``(grads..., loss_sum, weight)`` as the sums' flat vectors (each device its blocks)."""
         plan = self.plan
         if self.gmesh is None:
-            return plan.sums_flat.pack([*grads, loss_sum, weight])
+            return plan.pack_sums([*grads, loss_sum, weight])
         grads = [
             jax.lax.with_sharding_constraint(g, NamedSharding(self.gmesh, s))
             for g, s in zip(grads, self.diff_specs, strict=True)
         ]
         return list(
             jax.shard_map(
-                lambda *xs: tuple(plan.sums_flat.pack(xs)),
+                lambda *xs: tuple(plan.pack_sums(xs)),
                 mesh=self.gmesh,
                 in_specs=(*self.diff_specs, P(), P()),
                 out_specs=(P(self.gentry),) * len(plan.sums_flat.vectors),
@@ -276,8 +275,9 @@ def row_concat(sharding):
 
 @jax.jit
 def add_blocks(left, right):
-    """Two blocks' packed sums, left + right (elementwise: exactly rounded anywhere)."""
-    return [a + b for a, b in zip(left, right, strict=True)]
+    """Two blocks' packed sums, left + right (elementwise: exactly rounded anywhere; a zero
+    written ``+0``: :func:`~unsplit._src.bitwise.pairwise.add`)."""
+    return [pairwise.add(a, b) for a, b in zip(left, right, strict=True)]
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -294,75 +294,6 @@ def stack_blocks(blocks, slots: int):
 def concat_rows(parts):
     """The chunks' aux, in row order."""
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-
-
-def slots_spec(plan: Plan) -> P:
-    """The combine's inputs: every group's blocks stacked, ``(groups, slots, length)``; or,
-    when each group holds one block, the chunk programs' outputs end to end, ``(groups *
-    length,)``, with no stacking program (one launch and one copy per group less)."""
-    if plan.slots == 1:
-        return P(partition.entry((*partition.names(plan.outer_entry), *plan.group_axes)))
-    return P(plan.outer_entry, None, partition.entry(plan.group_axes))
-
-
-def combine_program(plan: Plan):
-    """The groups' blocks -> the total, added in the canonical tree (on the compute mesh).
-
-    A fixed-order reduce-scatter, then an all-gather: each flat vector is cut into
-    one piece per group; an ``all_to_all`` brings every group's blocks of piece
-    ``g`` to group ``g``, which adds them in the canonical tree
-    (:func:`reduce.combine`: elementwise, so each element is added in the same
-    order whatever piece it falls in); an ``all_gather`` gives every group the
-    whole total. Each device sends ``2 (G - 1) / G`` of its vectors (times the
-    blocks a group holds, one when each group's share is one aligned subtree):
-    a ring all-reduce's bytes, with the order fixed. Never a ``psum``.
-    """
-    mesh = plan.compute
-    batch = plan.outer_entry
-    gentry = partition.entry(plan.group_axes)
-    n = len(plan.sums_flat.vectors)
-    groups = plan.groups
-    layout = [plan.blocks(g) for g in range(groups)]
-
-    def add(a, b):
-        return [x + y for x, y in zip(a, b, strict=True)]
-
-    def scatter(s):
-        """(1, slots, length) -> (groups, slots, piece): every group's blocks of my piece."""
-        piece = -(-s.shape[2] // groups)
-        # Each piece sliced from the input, only the short last one padded: one copy of the
-        # sums before the all_to_all where padding the whole vector first made two.
-        parts = [s[0, :, g * piece : (g + 1) * piece] for g in range(groups)]
-        parts = [jnp.pad(p, ((0, 0), (0, piece - p.shape[1]))) for p in parts]
-        return jax.lax.all_to_all(jnp.stack(parts), batch, split_axis=0, concat_axis=0, tiled=True)
-
-    def local(*slots):  # each (1, slots, length): this group's blocks
-        if plan.slots == 1:  # each group's one block as the chunk program wrote it
-            slots = tuple(s.reshape(1, 1, -1) for s in slots)
-        length = [s.shape[2] for s in slots]
-        mine = [scatter(s) for s in slots] if groups > 1 else [s for s in slots]
-        named = {
-            block: [m[g, j] for m in mine]
-            for g, blocks in enumerate(layout)
-            for j, block in enumerate(blocks)
-        }
-        piece = reduce.combine(named, plan.chunks, add)
-        if groups == 1:
-            return tuple(piece)
-        return tuple(
-            jax.lax.all_gather(p, batch, tiled=True)[:n_]
-            for p, n_ in zip(piece, length, strict=True)
-        )
-
-    return jax.jit(
-        jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(slots_spec(plan),) * n,
-            out_specs=(P(gentry),) * n,
-            check_vma=False,
-        )
-    )
 
 
 def unpack_program(plan: Plan, grad_shardings, loss_sharding):

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
-from unsplit._src.bitwise import cache, placement, programs, reduce
+from unsplit._src.bitwise import cache, combine, placement, programs, reduce
 from unsplit._src.bitwise.plan import Plan
 
 
@@ -32,7 +32,7 @@ class Runner:
         mesh = owner.layout.mesh
         self.shared = cache.shared(owner.spec)
         self.pack = self._program(("pack", plan), lambda: programs.pack_program(plan))
-        self.combine = self._program(("combine", plan), lambda: programs.combine_program(plan))
+        self.combine = self._program(("combine", plan), lambda: combine.program(plan))
         grad_shardings, loss_sharding = placement.output_shardings(plan, mesh, owner.single)
         self.grad_shardings, self.loss_sharding = grad_shardings, loss_sharding
         self.unpack = self._program(
@@ -48,15 +48,15 @@ class Runner:
         self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
         self.executables: dict[int, Any] = {}
         gentry = partition.entry(plan.group_axes)
-        self.slots_sharding = NamedSharding(plan.compute, programs.slots_spec(plan))
+        self.slots_sharding = NamedSharding(plan.compute, combine.slots_spec(plan))
         self.fused = None
         if tuple(plan.compute.devices.flat) == tuple(mesh.devices.flat):
-            combine, unpack = self.combine, self.unpack
+            add, unpack = self.combine, self.unpack
             # The unpack's shardings, as given (inside another jit they only constrain).
             outs = (loss_sharding, plan.structure.grads_tree(grad_shardings), loss_sharding)
             self.fused = self._program(
                 ("fused", plan, owner.single),
-                lambda: jax.jit(lambda *slots: unpack(list(combine(*slots))), out_shardings=outs),
+                lambda: jax.jit(lambda *slots: unpack(list(add(*slots))), out_shardings=outs),
             )
         self.placed = placement.GroupInputs(plan, self.local_groups)
         self.held = self.placed.held
@@ -75,7 +75,7 @@ class Runner:
         ]
 
     def _slots_shape(self, length: int) -> tuple[int, ...]:
-        """A combine input's shape, for a group's vector of ``length`` (programs.slots_spec)."""
+        """A combine input's shape, for a group's vector of ``length`` (combine.slots_spec)."""
         plan = self.plan
         if plan.slots == 1:
             return (plan.groups * length,)
@@ -172,12 +172,12 @@ class Runner:
         plan = self.plan
         blocks = {}
         for g in self.local_groups:
-            acc = reduce.Accumulator(add=programs.add_blocks)
+            acc = reduce.Accumulator(add=programs.add_blocks)  # its blocks: at most plan.slots
             for i, chunk_sums in enumerate(outs[g]):
                 acc.push(g * plan.per_group + i, chunk_sums)
                 del chunk_sums  # the accumulator holds it (or its sum) from here
             blocks[g] = list(acc.blocks.values())  # left to right
-        if plan.slots == 1:  # taken as they are (programs.slots_spec)
+        if plan.slots == 1:  # taken as they are (combine.slots_spec)
             stacked = {g: blocks[g][0] for g in self.local_groups}
         else:
             stacked = {g: programs.stack_blocks(blocks[g], plan.slots) for g in self.local_groups}

@@ -85,7 +85,7 @@ def chunk_sums(plan: Any, gmesh: jax.sharding.Mesh, fn, vectors, rows, key, bloc
             for v, s in zip(got[:ngrads], diff_specs, strict=True)
         ]
         loss_sum, weight, *aux = (rw.to_dims(v, ((),) * len(v.dims)) for v in got[ngrads:])
-        return tuple(plan.sums_flat.pack([*grads, loss_sum, weight])), aux
+        return tuple(plan.pack_sums([*grads, loss_sum, weight])), aux
 
     count = len(plan.sums_flat.vectors)
     n_aux = len(jax.tree.leaves(aux_shapes))

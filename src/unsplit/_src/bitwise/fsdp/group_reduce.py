@@ -207,7 +207,7 @@ class GroupReduce:
         *whole_grads, loss_total, weight_total = self.rest_flat.unpack(whole)
         for i, x in zip(self.whole, whole_grads, strict=True):
             out[i] = x
-        return tuple(self.plan.sums_flat.pack([*out, loss_total, weight_total]))
+        return tuple(self.plan.pack_sums([*out, loss_total, weight_total]))
 
     def _pieces(self, x: jax.Array, spec: P, block: tuple[int, ...]) -> jax.Array:
         """``x`` (whole over the chunk axes) as ``(devices, *block)``: row ``d`` device ``d``'s
