@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import pairwise, reduce
+from unsplit._src.bitwise import reduce
+from unsplit._src.bitwise.combine import pairwise
 from unsplit._src.bitwise.flat import FlatPlan
 from unsplit._src.step import constraints, sums
 from unsplit._src.step.layout import Layout
@@ -103,7 +104,7 @@ class Plan:
 
     def pack_sums(self, parts: Sequence[Any]) -> list[Any]:
         """A chunk's ``(grads..., loss_sum, weight)`` as the sums' flat vectors, every ``-0``
-        written ``+0`` (:func:`~unsplit._src.bitwise.pairwise.positive_zeros`: no sum the
+        written ``+0`` (:func:`~unsplit._src.bitwise.combine.pairwise.positive_zeros`: no sum the
         canonical tree adds is ``-0``, so a collective that adds into zeros keeps its bits)."""
         return self.sums_flat.pack(pairwise.positive_zeros(list(parts)))
 

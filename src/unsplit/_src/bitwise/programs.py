@@ -13,7 +13,7 @@
    do not depend on the thread count (:mod:`unsplit._src.bitwise.canonical_dots`).
 3. ``combine`` (the compute mesh): the groups' blocks added in the same tree,
    by reduce-scatters of two devices or a fixed-order ``all_to_all``, then an
-   all-gather (:mod:`unsplit._src.bitwise.combine`). Never a ``psum``.
+   all-gather (:mod:`unsplit._src.bitwise.combine.program`). Never a ``psum``.
 4. ``unpack`` (the user's mesh): the total back into grads with the params'
    shardings, divided once by the global weight.
 
@@ -35,9 +35,10 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
-from unsplit._src.bitwise import canonical_dots, pairwise, placement
+from unsplit._src.bitwise import canonical_dots, placement
 from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.bitwise.blocked import chunk as blocked_chunk
+from unsplit._src.bitwise.combine import pairwise
 from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import sums
@@ -276,7 +277,7 @@ def row_concat(sharding):
 @jax.jit
 def add_blocks(left, right):
     """Two blocks' packed sums, left + right (elementwise: exactly rounded anywhere; a zero
-    written ``+0``: :func:`~unsplit._src.bitwise.pairwise.add`)."""
+    written ``+0``: :func:`~unsplit._src.bitwise.combine.pairwise.add`)."""
     return [pairwise.add(a, b) for a, b in zip(left, right, strict=True)]
 
 

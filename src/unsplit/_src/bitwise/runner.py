@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
-from unsplit._src.bitwise import cache, combine, placement, programs, reduce
+from unsplit._src.bitwise import cache, placement, programs, reduce
+from unsplit._src.bitwise.combine import program as combine
 from unsplit._src.bitwise.plan import Plan
 
 

@@ -6,7 +6,7 @@ the root and gives every group the total. Two ways, with the same bits:
 
 * ``2**k`` groups that each hold one block: the tree's top levels are pairs of
   groups, added by reduce-scatters of two devices
-  (:mod:`unsplit._src.bitwise.pairwise`), when that collective is seen to add
+  (:mod:`unsplit._src.bitwise.combine.pairwise`), when that collective is seen to add
   exactly on these devices; then all-gathers of two devices back;
 * otherwise: a fixed-order reduce-scatter by ``all_to_all`` (every group gets
   every group's blocks of its piece and adds them in the tree), then an all-gather.
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
-from unsplit._src.bitwise import pairwise, reduce
+from unsplit._src.bitwise import reduce
+from unsplit._src.bitwise.combine import pairwise
 from unsplit._src.bitwise.plan import Plan
 
 
@@ -98,7 +99,7 @@ def program(plan: Plan):
 
 def _pairwise(plan: Plan) -> bool:
     """Whether the combine can add the groups by reduce-scatters of two devices
-    (:mod:`~unsplit._src.bitwise.pairwise`): ``2**k`` groups, each holding one block, and
+    (:mod:`~unsplit._src.bitwise.combine.pairwise`): ``2**k`` groups, each holding one block, and
     the collective seen to add exactly."""
     if plan.slots != 1 or pairwise.levels(plan.groups) is None:
         return False

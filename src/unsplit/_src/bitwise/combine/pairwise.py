@@ -29,7 +29,7 @@ Two things are not left to the collective's implementation:
 
 Example:
     >>> import jax, numpy as np
-    >>> from unsplit._src.bitwise import pairwise
+    >>> from unsplit._src.bitwise.combine import pairwise
     >>> pairwise.pairs(8, 0), pairwise.pairs(8, 2)
     ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
     >>> pairwise.exact(jax.make_mesh((8,), ("data",)), 1, np.float32)

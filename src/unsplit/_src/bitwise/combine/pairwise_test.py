@@ -8,7 +8,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
-from unsplit._src.bitwise import combine, pairwise, reduce
+from unsplit._src.bitwise import reduce
+from unsplit._src.bitwise.combine import pairwise
+from unsplit._src.bitwise.combine import program as combine
 
 
 def _mesh(shape, names):
