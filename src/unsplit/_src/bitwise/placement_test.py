@@ -157,11 +157,17 @@ def test_rename_keeps_the_buffers_and_copies_only_when_it_must():
 
 
 def worker_spread(cases: dict) -> dict:
-    """One of 2 processes x 4 devices: each case's bits (``[layout, spread, train]``)."""
-    return {
+    """One of 2 processes x 4 devices: each case's bits (``[layout, spread, train]``), and
+    the verdict of the combine's check of pairwise collectives over both processes."""
+    from unsplit._src.bitwise.combine import pairwise
+
+    out = {
         name: run_layout(layout, SPREAD if spread else None, train)
         for name, (layout, spread, train) in cases.items()
     }
+    both = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    out["pairs exact"] = bool(pairwise.exact(both, 1, np.float32))
+    return out
 
 
 @pytest.mark.multiprocess
@@ -186,6 +192,9 @@ def test_groups_spread_over_processes_give_the_bits_of_groups_inside_one():
     )
     assert results[0] == results[1]
     (got,) = results[:1]
+    # Reduce-scatters of two devices across the two processes (gloo): seen to add exactly,
+    # by both processes alike (the combine's pairwise path runs there).
+    assert got["pairs exact"] is True
     # The bits of this plain 8-device process too (no jax.distributed, no gloo): FSDP groups
     # (their in-group sums are unsplit's, in a fixed order), with a sequence axis in the group,
     # and tensor-parallel groups.
