@@ -5,8 +5,8 @@ each holding one aligned block, adds sibling groups ``g`` and ``g ^ 1`` first,
 then the pairs at distance 2, then 4: recursive halving. A reduce-scatter over
 *two* devices adds one value from each, a single exactly rounded add whatever
 order the collective's implementation takes (``a + b == b + a``), so ``k``
-reduce-scatters of two devices each (``axis_index_groups`` of pairs),
-give the canonical tree's bits with a collective's speed (XLA:CPU's
+reduce-scatters of two devices each (``axis_index_groups`` of pairs) give the
+canonical tree's bits with a collective's speed (XLA:CPU's
 ``all_to_all``, which the general fixed-order reduce-scatter uses, took 2-3x a
 ``psum`` of the same vector; these reduce-scatters and the all-gathers back
 take about what the ``psum`` takes).

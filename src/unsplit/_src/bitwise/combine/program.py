@@ -38,6 +38,7 @@ def slots_spec(plan: Plan) -> P:
 def program(plan: Plan):
     """The groups' blocks -> the total, added in the canonical tree (on the compute mesh).
 
+    By pairs of devices where :func:`_pairwise` allows it; otherwise this general way.
     A fixed-order reduce-scatter, then an all-gather: each flat vector is cut into
     one piece per group; an ``all_to_all`` brings every group's blocks of piece
     ``g`` to group ``g``, which adds them in the canonical tree
