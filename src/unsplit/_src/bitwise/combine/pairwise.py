@@ -144,7 +144,17 @@ def exact(mesh: Mesh, leading: int, dtype: Any) -> bool:
     if levels(int(np.prod(grid.shape[:leading]))) is None:
         return False
     key = (tuple(grid.flat), grid.shape, tuple(mesh.axis_names), leading, jnp.dtype(dtype))
-    return _verdict(*key)
+    try:
+        return _verdict(*key)
+    except (NotImplementedError, TypeError, ValueError) as e:
+        # A JAX or backend without reduce-scatters of pairs (``axis_index_groups`` is a
+        # pmap-era option) fails to trace or compile the check: the general path runs.
+        _REFUSED[key] = f"{type(e).__name__}: {e}"
+        return False
+
+
+# Why a check could not run, per mesh and dtype (for a look when the general path ran).
+_REFUSED: dict[tuple, str] = {}
 
 
 def _draw(devices: int, size: int, dtype: Any) -> np.ndarray:

@@ -84,6 +84,20 @@ def test_the_check_tells_another_tree_apart(monkeypatch):
         pairwise._verdict.cache_clear()
 
 
+def test_a_jax_without_pairs_of_devices_gets_the_general_path(monkeypatch):
+    def refused(*args):
+        raise NotImplementedError("axis_index_groups is not supported")
+
+    monkeypatch.setattr(pairwise, "reduce_scatter", refused)
+    pairwise._verdict.cache_clear()
+    try:
+        assert not pairwise.exact(_mesh((4,), ("data",)), 1, np.float32)
+        assert any("axis_index_groups" in why for why in pairwise._REFUSED.values())
+    finally:
+        pairwise._verdict.cache_clear()
+        pairwise._REFUSED.clear()
+
+
 def test_no_pairwise_path_for_groups_that_are_no_power_of_two():
     assert [pairwise.levels(g) for g in (1, 2, 3, 4, 6, 8)] == [None, 1, None, 2, None, 3]
     assert not pairwise.exact(_mesh((6,), ("data",)), 1, np.float32)
