@@ -115,13 +115,9 @@ def _pairwise_combine(plan: Plan):
     groups, outer = plan.groups, plan.outer_entry
 
     def local(*vectors):
-        out = []
-        for v in vectors:
-            length = v.shape[0]
-            pad = -length % groups  # none: the sums' layout is padded to it (plan)
-            piece = pairwise.reduce_scatter(jnp.pad(v, (0, pad)), outer, groups)
-            out.append(pairwise.all_gather(piece, outer, groups)[:length])
-        return tuple(out)
+        # Each vector's length is a multiple of the groups: the sums' layout is padded (plan).
+        pieces = [pairwise.reduce_scatter(v, outer, groups) for v in vectors]
+        return tuple(pairwise.all_gather(p, outer, groups) for p in pieces)
 
     return jax.jit(
         jax.shard_map(
