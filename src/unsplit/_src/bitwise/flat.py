@@ -8,7 +8,9 @@ one elementwise add over all of them (exactly rounded, as per leaf).
 Typed PRNG keys travel as their ``uint32`` key data and are wrapped again.
 Arrays marked ``direct`` (a frozen base each device already holds) are no part of
 the vectors: they travel as themselves, after them, and are merged back in order;
-packing them would copy them on every device.
+packing them would copy them on every device. Arrays marked ``alone`` (a large
+gradient sum) get a vector of their own: packing and unpacking it is a reshape,
+where copying it into a shared vector was a pass over it on every device.
 
 Example:
     >>> import jax.numpy as jnp
@@ -25,6 +27,8 @@ Example:
     [(6,), (4,)]
     >>> [x.shape for x in plan.unpack([*vectors, *plan.directs(leaves)])]
     [(2, 3), (4,), (5,)]
+    >>> [v.shape for v in FlatPlan.of(leaves, alone=[True, False, False]).pack(leaves)]
+    [(6,), (4,), (5,)]
 """
 
 from __future__ import annotations
@@ -59,27 +63,33 @@ class FlatPlan:
         shapes: Sequence[tuple[int, ...]] | None = None,
         *,
         direct: Sequence[bool] | None = None,
+        alone: Sequence[bool] | None = None,
         multiple: int = 1,
     ) -> FlatPlan:
         """The plan for ``arrays`` (or their given local ``shapes``); ``direct`` marks those
-        that are not packed; each vector's length is padded (zeros) to a ``multiple``."""
+        that are not packed, ``alone`` those packed in a vector of their own (vectors in
+        order of first use); each vector's length is padded (zeros) to a ``multiple``."""
         shapes = [tuple(np.shape(a)) for a in arrays] if shapes is None else list(shapes)
         direct = (False,) * len(shapes) if direct is None else tuple(direct)
+        alone = (False,) * len(shapes) if alone is None else tuple(alone)
         is_key = [keys_lib.is_typed_key(a) for a in arrays]
         dtypes = [a.dtype if k else jnp.result_type(a) for a, k in zip(arrays, is_key, strict=True)]
         impls = [jax.random.key_impl(a) if k else None for a, k in zip(arrays, is_key, strict=True)]
         vectors: list[Any] = []
         lengths: list[int] = []
+        shared: dict[Any, int] = {}  # storage dtype -> the index of its shared vector
         slots = []
-        for shape, dtype, alone in zip(shapes, dtypes, direct, strict=True):
-            if alone:
+        for shape, dtype, outside, own in zip(shapes, dtypes, direct, alone, strict=True):
+            if outside:
                 slots.append((-1, 0))
                 continue
             storage, per_element = _storage(dtype)
-            if storage not in vectors:
+            if own or storage not in shared:
                 vectors.append(storage)
                 lengths.append(0)
-            v = vectors.index(storage)
+                if not own:
+                    shared[storage] = len(vectors) - 1
+            v = len(vectors) - 1 if own else shared[storage]
             slots.append((v, lengths[v]))
             lengths[v] += math.prod(shape) * per_element
         lengths = [-(-n // multiple) * multiple for n in lengths]
@@ -153,6 +163,8 @@ def _joined(parts: Sequence[jax.Array], dtype: Any, length: int) -> jax.Array:
     vector on that mesh too); chunk programs run manual or on one device.
     """
     offsets = np.cumsum([0, *(p.shape[0] for p in parts)])
+    if len(parts) == 1 and offsets[-1] == length:  # a vector of its own: no copy
+        return parts[0]
     if any(map(_on_explicit_axes, parts)):
         padding = jnp.zeros((length - int(offsets[-1]),), dtype)
         return (

@@ -65,3 +65,18 @@ def test_pack_of_arrays_typed_on_an_explicit_mesh():
     with jax.set_mesh(mesh):
         (packed,) = jax.jit(plan.pack)([x, y])
     np.testing.assert_array_equal(packed, np.concatenate([np.arange(8.0), np.ones(6)]))
+
+
+def test_an_array_alone_is_its_own_vector_packed_without_a_copy():
+    leaves = _leaves()
+    alone = [False, False, False, True, False, False]
+    plan = FlatPlan.of(leaves, alone=alone, multiple=8)
+    packed = jax.jit(plan.pack)(leaves)
+    # In order of first use: the shared floats (padded to 8: 22 -> 24), ints, the one alone, keys.
+    assert [v.shape for v in packed] == [(24,), (8,), (32,), (8,)]
+    np.testing.assert_array_equal(packed[2], leaves[3].ravel())
+    for a, b in zip(plan.unpack(packed)[:5], leaves[:5], strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Its pack and unpack are reshapes: no copy into a zero vector.
+    jaxpr = str(jax.make_jaxpr(lambda x: FlatPlan.of([x], alone=[True]).pack([x]))(leaves[3]))
+    assert "dynamic_update_slice" not in jaxpr and "concatenate" not in jaxpr

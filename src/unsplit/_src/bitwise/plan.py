@@ -267,7 +267,9 @@ def _sums_layout(spec, layout, structure, arrays, local_shapes, batch, key, mult
         else _loss_dtype(spec, layout, structure, arrays, batch, key)
     )
     scalars = [jax.ShapeDtypeStruct((), loss_dtype), jax.ShapeDtypeStruct((), loss_dtype)]
-    return FlatPlan.of([*grads, *scalars], multiple=multiple)
+    # The sums of large leaves get a vector each (packed: a reshape, no copy; _large's rule).
+    alone = [_large(a) for a in structure.diff_of(arrays)] + [False, False]
+    return FlatPlan.of([*grads, *scalars], alone=alone, multiple=multiple)
 
 
 def _spec_on(x: Any, mesh: Mesh) -> P:

@@ -28,7 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 import unsplit
 from unsplit._src import test_util as testing
+from unsplit._src.bitwise import plan as plan_lib
 from unsplit._src.bitwise import schedule as bitwise_schedule
+from unsplit._src.bitwise.combine import scatter
 from unsplit._src.models import transformer as tf
 
 pytestmark = pytest.mark.xdist_group("bitwise")
@@ -383,3 +385,26 @@ def test_bitwise_train_step_on_a_3d_mesh_matches_default_mode(default_3d, chunk_
 def test_bitwise_fsdp_groups_on_a_3d_mesh_give_the_same_bits_at_every_data_degree():
     options = {"bitwise": True, "chunk_size": 8, "chunk_axes": "fsdp"}
     assert testing.bits_equal(train_3d(1, options), train_3d(2, options))
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tensor parallel"])
+def test_every_leaf_in_a_vector_of_its_own_gives_the_same_bits(monkeypatch, layout):
+    """Large leaves' params and sums travel as themselves (their FSDP grads never gathered):
+    with every leaf counted large, the bits are those of the packed vectors."""
+    monkeypatch.setattr(plan_lib, "_DIRECT_ELEMENTS", 1)
+    if layout == "fsdp":
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+        params = placed(mesh, testing.fsdp_specs(PARAMS, "data", 8))
+        out = run(mesh, params)
+        assert testing.bits_equal(out, replicated_reference())
+        step = unsplit.value_and_grad(WEIGHTED, weighted=True, mesh=mesh, bitwise=True)
+        step(params, BATCH, KEY)
+        (runner,) = step._engine._plans.values()
+        assert any(scatter.scattered(runner.plan)) and runner.fused is not None
+    else:
+        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AUTO, AUTO))
+        params = placed(mesh, testing.tensor_parallel_specs(PARAMS))
+        out = run(mesh, params)
+        assert testing.bits_equal(out, tensor_parallel(1)[0])
+    for g, p in zip(jax.tree.leaves(out[1]), jax.tree.leaves(params), strict=True):
+        assert g.sharding == p.sharding

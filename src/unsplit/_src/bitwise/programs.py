@@ -38,7 +38,7 @@ from unsplit._src import partition
 from unsplit._src.bitwise import canonical_dots, placement
 from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.bitwise.blocked import chunk as blocked_chunk
-from unsplit._src.bitwise.combine import pairwise
+from unsplit._src.bitwise.combine import pairwise, scatter
 from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import sums
@@ -297,26 +297,36 @@ def concat_rows(parts):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
-def unpack_program(plan: Plan, grad_shardings, loss_sharding):
-    """The total -> ``(loss, grads)``: grads with the params' shardings, divided by the weight."""
+def unpack_program(plan: Plan, grad_shardings, loss_sharding, scattered: tuple[bool, ...] = ()):
+    """The total -> ``(loss, grads)``: grads with the params' shardings, divided by the weight.
+
+    ``scattered`` vectors (:mod:`~unsplit._src.bitwise.combine.scatter`) come as each
+    group's piece: its leaf's shard, reshaped, divided where it lies.
+    """
     mesh = plan.layout.mesh
     gentry = partition.entry(plan.group_axes)
     structure = plan.structure
+    scattered = scattered or (False,) * len(plan.sums_flat.vectors)
+    flat = scatter.pieces_plan(plan, scattered)
     diff_specs = tuple(s for s, d in zip(plan.local_specs, structure.diff, strict=True) if d)
-    n = len(plan.sums_flat.vectors)
+    out_specs = tuple(
+        scatter.shard_spec(plan, s) if v >= 0 and scattered[v] else s
+        for s, (v, _) in zip(diff_specs, flat.slots[: len(diff_specs)], strict=True)
+    )
+    in_specs = tuple(scatter.piece_spec(plan) if keep else P(gentry) for keep in scattered)
     dtypes = [
         d for d, is_diff in zip(plan.params_flat.dtypes, structure.diff, strict=True) if is_diff
     ]
 
     def local(*vectors):
-        *grads, loss_sum, weight = plan.sums_flat.unpack(vectors)
+        *grads, loss_sum, weight = flat.unpack(vectors)
         return loss_sum, weight, tuple(grads)
 
     split = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(P(gentry),) * n,
-        out_specs=(P(), P(), diff_specs),
+        in_specs=in_specs,
+        out_specs=(P(), P(), out_specs),
         check_vma=False,
     )
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from unsplit._src import partition
 from unsplit._src.bitwise import cache, placement, programs, reduce
 from unsplit._src.bitwise.combine import program as combine
+from unsplit._src.bitwise.combine import scatter
 from unsplit._src.bitwise.plan import Plan
 
 
@@ -52,16 +53,28 @@ class Runner:
         self.slots_sharding = NamedSharding(plan.compute, combine.slots_spec(plan))
         self.fused = None
         if tuple(plan.compute.devices.flat) == tuple(mesh.devices.flat):
-            add, unpack = self.combine, self.unpack
-            # The unpack's shardings, as given (inside another jit they only constrain).
-            outs = (loss_sharding, plan.structure.grads_tree(grad_shardings), loss_sharding)
-            self.fused = self._program(
-                ("fused", plan, owner.single),
-                lambda: jax.jit(lambda *slots: unpack(list(add(*slots))), out_shardings=outs),
-            )
+            self.fused = self._program(("fused", plan, owner.single), self._fused)
         self.placed = placement.GroupInputs(plan, self.local_groups)
         self.held = self.placed.held
         self.total_sharding = NamedSharding(mesh, P(gentry))
+
+    def _fused(self):
+        """The combine and the unpack as one program; the grads of params sharded over the
+        groups' axes are left in the pieces the combine's reduce-scatter leaves on each
+        device (:mod:`~unsplit._src.bitwise.combine.scatter`), never all-gathered."""
+        plan = self.plan
+        which = scatter.scattered(plan)
+        add = combine.program(plan, which) if any(which) else self.combine
+        unpack = self.unpack
+        if any(which):
+            unpack = programs.unpack_program(plan, self.grad_shardings, self.loss_sharding, which)
+        # The unpack's shardings, as given (inside another jit they only constrain).
+        outs = (
+            self.loss_sharding,
+            plan.structure.grads_tree(self.grad_shardings),
+            self.loss_sharding,
+        )
+        return jax.jit(lambda *slots: unpack(list(add(*slots))), out_shardings=outs)
 
     def combine_slots(self) -> list[jax.ShapeDtypeStruct]:
         """The combine program's inputs: every group's blocks of packed sums, stacked."""

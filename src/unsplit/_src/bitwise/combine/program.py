@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
 from unsplit._src.bitwise import reduce
-from unsplit._src.bitwise.combine import pairwise
+from unsplit._src.bitwise.combine import pairwise, scatter
 from unsplit._src.bitwise.plan import Plan
 
 
@@ -35,8 +35,12 @@ def slots_spec(plan: Plan) -> P:
     return P(plan.outer_entry, None, partition.entry(plan.group_axes))
 
 
-def program(plan: Plan):
+def program(plan: Plan, scattered: tuple[bool, ...] = ()):
     """The groups' blocks -> the total, added in the canonical tree (on the compute mesh).
+
+    ``scattered`` (per sums vector, :mod:`~unsplit._src.bitwise.combine.scatter`): those
+    vectors come out as each group's piece of the total (spec ``scatter.piece_spec``), not
+    all-gathered.
 
     By pairs of devices where :func:`_pairwise` allows it; otherwise this general way.
     A fixed-order reduce-scatter, then an all-gather: each flat vector is cut into
@@ -48,11 +52,11 @@ def program(plan: Plan):
     blocks a group holds, one when each group's share is one aligned subtree):
     a ring all-reduce's bytes, with the order fixed. Never a ``psum``.
     """
+    scattered = scattered or (False,) * len(plan.sums_flat.vectors)
     if _pairwise(plan):
-        return _pairwise_combine(plan)
+        return _pairwise_combine(plan, scattered)
     mesh = plan.compute
     batch = plan.outer_entry
-    gentry = partition.entry(plan.group_axes)
     n = len(plan.sums_flat.vectors)
     groups = plan.groups
     layout = [plan.blocks(g) for g in range(groups)]
@@ -83,8 +87,8 @@ def program(plan: Plan):
         if groups == 1:
             return tuple(piece)
         return tuple(
-            jax.lax.all_gather(p, batch, tiled=True)[:n_]
-            for p, n_ in zip(piece, length, strict=True)
+            p if keep else jax.lax.all_gather(p, batch, tiled=True)[:n_]
+            for p, n_, keep in zip(piece, length, scattered, strict=True)
         )
 
     return jax.jit(
@@ -92,10 +96,16 @@ def program(plan: Plan):
             local,
             mesh=mesh,
             in_specs=(slots_spec(plan),) * n,
-            out_specs=(P(gentry),) * n,
+            out_specs=_out_specs(plan, scattered),
             check_vma=False,
         )
     )
+
+
+def _out_specs(plan: Plan, scattered: tuple[bool, ...]) -> tuple[P, ...]:
+    """The totals' specs: whole on every group, or each group's piece (``scattered``)."""
+    whole = P(partition.entry(plan.group_axes))
+    return tuple(scatter.piece_spec(plan) if keep else whole for keep in scattered)
 
 
 def _pairwise(plan: Plan) -> bool:
@@ -108,23 +118,25 @@ def _pairwise(plan: Plan) -> bool:
     return all(pairwise.exact(plan.compute, leading, d) for d in plan.sums_flat.vectors)
 
 
-def _pairwise_combine(plan: Plan):
+def _pairwise_combine(plan: Plan, scattered: tuple[bool, ...]):
     """:func:`program` as reduce-scatters and all-gathers of two devices each."""
-    gentry = partition.entry(plan.group_axes)
     n = len(plan.sums_flat.vectors)
     groups, outer = plan.groups, plan.outer_entry
 
     def local(*vectors):
         # Each vector's length is a multiple of the groups: the sums' layout is padded (plan).
         pieces = [pairwise.reduce_scatter(v, outer, groups) for v in vectors]
-        return tuple(pairwise.all_gather(p, outer, groups) for p in pieces)
+        return tuple(
+            scatter.in_order(p, outer, groups) if keep else pairwise.all_gather(p, outer, groups)
+            for p, keep in zip(pieces, scattered, strict=True)
+        )
 
     return jax.jit(
         jax.shard_map(
             local,
             mesh=plan.compute,
             in_specs=(slots_spec(plan),) * n,
-            out_specs=(P(gentry),) * n,
+            out_specs=_out_specs(plan, scattered),
             check_vma=False,
         )
     )

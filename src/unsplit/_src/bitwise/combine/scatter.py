@@ -1,0 +1,103 @@
+"""Grad sums left where the params' shards are: no all-gather of what each device drops.
+
+A param sharded over the batch axes (FSDP: ``P("data", None)`` with ``data`` the
+groups' axis) needs on each device only its rows of the total. The combine's
+reduce-scatter already leaves group ``g`` one ``1 / groups`` piece of every sums
+vector; for a large leaf with a vector of its own (:class:`~.flat.FlatPlan`'s
+``alone``) whose dimension 0 is split over exactly the groups' axes, piece ``g``
+*is* group ``g``'s shard (row-major: rows ``[g r, (g + 1) r)``). Such a vector
+is *scattered*: the combine returns its pieces in group order (the pairwise
+reduce-scatter leaves group ``g`` piece ``bit_reversed(g)``: one collective
+permute of a piece puts them back in order) and the unpack reshapes each into
+the shard and divides it by the weight, where the all-gather wrote the whole
+total on every device and the unpack then cut each device's shard out of it.
+Data movement only: the same bits as the all-gathered total's shard.
+
+Example:
+    >>> from unsplit._src.bitwise.combine import scatter
+    >>> scatter.bit_reversed(1, 8), scatter.bit_reversed(3, 8), scatter.bit_reversed(2, 4)
+    (4, 6, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from unsplit._src import partition
+from unsplit._src.bitwise.flat import FlatPlan
+
+
+def bit_reversed(g: int, groups: int) -> int:
+    """``g``'s bits in reverse order, over ``log2(groups)`` bits (``groups``: a power of 2)."""
+    bits = groups.bit_length() - 1
+    return int(format(g, f"0{bits}b")[::-1], 2) if bits else 0
+
+
+def in_order(piece: jax.Array, axes: Any, groups: int) -> jax.Array:
+    """Inside a ``shard_map``: the pairwise reduce-scatter's pieces (group ``g`` holding piece
+    ``bit_reversed(g)``) moved so that group ``g`` holds piece ``g`` (one collective permute)."""
+    perm = [(g, bit_reversed(g, groups)) for g in range(groups)]
+    if all(a == b for a, b in perm):
+        return piece
+    return jax.lax.ppermute(piece, axes, perm)
+
+
+def scattered(plan: Any) -> tuple[bool, ...]:
+    """Per sums vector: whether the combine leaves it as the groups' pieces (see above).
+
+    A vector of one grad leaf alone whose spec on the user's mesh splits dimension
+    0 over exactly the outer batch axes (in order) and no other dimension over
+    them, with its vector and its local dimension 0 divisible by the groups.
+    """
+    flat = plan.sums_flat
+    out = [False] * len(flat.vectors)
+    if plan.groups < 2:
+        return tuple(out)
+    outer = tuple(plan.outer_axes)
+    count = [0] * len(flat.vectors)
+    for v, _ in flat.slots:
+        count[v] += 1
+    diff_specs = [s for s, d in zip(plan.specs, plan.structure.diff, strict=True) if d]
+    for i, spec in enumerate(diff_specs):
+        v, _ = flat.slots[i]
+        shape = flat.shapes[i]
+        if count[v] != 1 or not shape or flat.lengths[v] != math.prod(shape):
+            continue
+        rest = {n for e in spec[1:] for n in partition.names(e)}
+        if (
+            partition.names(spec[0]) == outer
+            and not rest & set(outer)
+            and shape[0] % plan.groups == 0
+        ):
+            out[v] = True
+    return tuple(out)
+
+
+def pieces_plan(plan: Any, which: tuple[bool, ...]) -> FlatPlan:
+    """The sums' flat layout with each ``which`` vector as one group's piece: its leaf's
+    dimension 0 divided by the groups."""
+    flat = plan.sums_flat
+    shapes = list(flat.shapes)
+    lengths = list(flat.lengths)
+    for i, (v, _) in enumerate(flat.slots):
+        if v >= 0 and which[v]:
+            shapes[i] = (shapes[i][0] // plan.groups, *shapes[i][1:])
+            lengths[v] //= plan.groups
+    return dataclasses.replace(flat, shapes=tuple(shapes), lengths=tuple(lengths))
+
+
+def piece_spec(plan: Any) -> P:
+    """The global layout of a scattered vector's pieces on the compute mesh (each device its
+    piece of its own vector: groups row-major, then the group axes)."""
+    return P(partition.entry((*partition.names(plan.outer_entry), *plan.group_axes)))
+
+
+def shard_spec(plan: Any, local_spec: P) -> P:
+    """A scattered leaf's grad, as the unpack's ``shard_map`` puts it out: dimension 0 over the
+    outer axes, the others as inside its group."""
+    return P(plan.outer_entry, *local_spec[1:])
