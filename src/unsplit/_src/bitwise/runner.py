@@ -53,28 +53,10 @@ class Runner:
         self.slots_sharding = NamedSharding(plan.compute, combine.slots_spec(plan))
         self.fused = None
         if tuple(plan.compute.devices.flat) == tuple(mesh.devices.flat):
-            self.fused = self._program(("fused", plan, owner.single), self._fused)
+            self.fused = self._program(("fused", plan, owner.single), lambda: _fused(self))
         self.placed = placement.GroupInputs(plan, self.local_groups)
         self.held = self.placed.held
         self.total_sharding = NamedSharding(mesh, P(gentry))
-
-    def _fused(self):
-        """The combine and the unpack as one program; the grads of params sharded over the
-        groups' axes are left in the pieces the combine's reduce-scatter leaves on each
-        device (:mod:`~unsplit._src.bitwise.combine.scatter`), never all-gathered."""
-        plan = self.plan
-        which = scatter.scattered(plan)
-        add = combine.program(plan, which) if any(which) else self.combine
-        unpack = self.unpack
-        if any(which):
-            unpack = programs.unpack_program(plan, self.grad_shardings, self.loss_sharding, which)
-        # The unpack's shardings, as given (inside another jit they only constrain).
-        outs = (
-            self.loss_sharding,
-            plan.structure.grads_tree(self.grad_shardings),
-            self.loss_sharding,
-        )
-        return jax.jit(lambda *slots: unpack(list(add(*slots))), out_shardings=outs)
 
     def combine_slots(self) -> list[jax.ShapeDtypeStruct]:
         """The combine program's inputs: every group's blocks of packed sums, stacked."""
@@ -236,3 +218,19 @@ class Runner:
             )
 
         return jax.tree.map(assemble, *per_group)
+
+
+def _fused(runner: Runner):
+    """The combine and the unpack as one program; the grads of params sharded over the
+    groups' axes are left in the pieces the combine's reduce-scatter leaves on each
+    device (:mod:`~unsplit._src.bitwise.combine.scatter`), never all-gathered."""
+    plan = runner.plan
+    which = scatter.scattered(plan)
+    add, unpack = runner.combine, runner.unpack
+    if any(which):
+        add = combine.program(plan, which)
+        unpack = programs.unpack_program(plan, runner.grad_shardings, runner.loss_sharding, which)
+    # The unpack's shardings, as given (inside another jit they only constrain).
+    grads = plan.structure.grads_tree(runner.grad_shardings)
+    outs = (runner.loss_sharding, grads, runner.loss_sharding)
+    return jax.jit(lambda *slots: unpack(list(add(*slots))), out_shardings=outs)
