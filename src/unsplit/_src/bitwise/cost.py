@@ -60,11 +60,14 @@ class BitwiseCost:
             already hold are not copied: the chunk programs read the caller's buffers).
         partial_sums_bytes: the partial sums the canonical tree holds at most at once.
         program_peak_bytes: the largest of a chunk program's rows, key, ids and temp,
-            the combine program's and the unpack program's memory.
+            the combine program's and the unpack program's memory (or, where the step
+            runs them as one program, that program's).
         bytes_sent_per_device: what the pack, a group's chunk programs and the combine
             send per device per step (ring accounting).
         combine_vs_ring: the combine's bytes over a ring all-reduce's of the same sums
-            (``2 (G - 1) / G`` of them; 1.0 with one group, which sends nothing).
+            (``2 (G - 1) / G`` of them; 1.0 with one group, which sends nothing); below 1
+            where the grads of params sharded over the batch axes stay in their shards
+            (a reduce-scatter, no all-gather).
         chunk_programs: chunk programs each group runs per step.
         chunk_collectives: collectives in a chunk program (model-parallel layouts).
         chunk_bytes_sent: what one chunk program sends per device (groups of several
@@ -208,10 +211,14 @@ def _cost(state: Any, params: Any) -> BitwiseCost:
     chunk = max(chunks, key=_memory).memory_analysis()
     sums = chunk.output_size_in_bytes
     chunk_rest = chunk.argument_size_in_bytes - packed - direct + chunk.temp_size_in_bytes
-    combine = state.combine_compiled()
-    unpack = _unpack_compiled(state)
+    if state.fused is not None:  # the step runs the combine and the unpack as one program
+        combine = state.fused.lower(*state.combine_slots()).compile()
+        finish = _memory(combine)
+    else:
+        combine = state.combine_compiled()
+        finish = max(_memory(combine), _memory(_unpack_compiled(state)))
     held = sum(_device_bytes(x) for x in jax.tree.leaves(params))
-    peak = max(chunk_rest, _memory(combine), _memory(unpack))
+    peak = max(chunk_rest, finish)
     chunk_text = max((c.as_text() for c in chunks), key=traffic.bytes_sent)
     combine_bytes = traffic.bytes_sent(combine)
     sent = traffic.bytes_sent(state.pack.lower(params).compile())

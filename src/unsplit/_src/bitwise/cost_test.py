@@ -50,6 +50,21 @@ def test_its_parts_add_up_and_the_combine_sends_a_ring():
     assert cost.bytes_sent_per_device > 0
 
 
+def test_fsdp_grads_left_in_their_shards_send_half_a_ring(monkeypatch):
+    from unsplit._src.bitwise import plan as plan_lib
+
+    monkeypatch.setattr(plan_lib, "_DIRECT_ELEMENTS", WIDTH * WIDTH)  # every layer is large
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    costs = {}
+    for name, spec in (("replicated", P()), ("fsdp", P("data", None))):
+        params, x, key = problem(mesh, spec)
+        step = unsplit.value_and_grad(mlp_loss, mesh=mesh, bitwise=True)
+        costs[name] = unsplit.testing.bitwise_cost(step, params, x, key)
+    assert 1.0 <= costs["replicated"].combine_vs_ring <= 1.1  # reduce-scatter + all-gather
+    assert 0.5 <= costs["fsdp"].combine_vs_ring <= 0.6  # the reduce-scatter (and a permute)
+    assert costs["fsdp"].program_peak_bytes < costs["replicated"].program_peak_bytes
+
+
 def test_fsdp_groups_hold_a_share_of_the_params():
     mesh = fsdp_mesh()
     params, x, key = problem(mesh, P("fsdp"))
