@@ -39,6 +39,7 @@ from unsplit._src.bitwise import canonical_dots, placement
 from unsplit._src.bitwise import plan as bitwise_plan
 from unsplit._src.bitwise.blocked import chunk as blocked_chunk
 from unsplit._src.bitwise.combine import pairwise, scatter
+from unsplit._src.bitwise.combine import program as combine_program
 from unsplit._src.bitwise.fsdp import group_reduce
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import sums
@@ -297,29 +298,42 @@ def concat_rows(parts):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
 
-def unpack_program(plan: Plan, grad_shardings, loss_sharding, scattered: tuple[bool, ...] = ()):
+def unpack_program(plan: Plan, grad_shardings, loss_sharding, layouts: tuple[str, ...] = ()):
     """The total -> ``(loss, grads)``: grads with the params' shardings, divided by the weight.
 
-    ``scattered`` vectors (:mod:`~unsplit._src.bitwise.combine.scatter`) come as each
-    group's piece: its leaf's shard, reshaped, divided where it lies.
+    ``layouts`` (:func:`~unsplit._src.bitwise.combine.scatter.layouts`; default all
+    ``WHOLE``): a ``SHARD`` vector comes as each group's piece, its leaf's shard, divided
+    where it lies; a ``PIECE`` one as the combine's piece, divided, then all-gathered
+    (:func:`~unsplit._src.bitwise.combine.program.gather`): the division's work is
+    ``1 / groups`` of the leaf on each device. Elementwise, so the same bits.
     """
     mesh = plan.layout.mesh
     gentry = partition.entry(plan.group_axes)
     structure = plan.structure
-    scattered = scattered or (False,) * len(plan.sums_flat.vectors)
-    flat = scatter.pieces_plan(plan, scattered)
+    layouts = layouts or (scatter.WHOLE,) * len(plan.sums_flat.vectors)
+    flat = scatter.pieces_plan(plan, layouts)
     diff_specs = tuple(s for s, d in zip(plan.local_specs, structure.diff, strict=True) if d)
+    kinds = [layouts[v] for v, _ in flat.slots[: len(diff_specs)]]
+    shapes = plan.sums_flat.shapes
     out_specs = tuple(
-        scatter.shard_spec(plan, s) if v >= 0 and scattered[v] else s
-        for s, (v, _) in zip(diff_specs, flat.slots[: len(diff_specs)], strict=True)
+        scatter.shard_spec(plan, s) if kind == scatter.SHARD else s
+        for s, kind in zip(diff_specs, kinds, strict=True)
     )
-    in_specs = tuple(scatter.piece_spec(plan) if keep else P(gentry) for keep in scattered)
+    whole = P(gentry)
+    in_specs = tuple(whole if k == scatter.WHOLE else scatter.piece_spec(plan) for k in layouts)
     dtypes = [
         d for d, is_diff in zip(plan.params_flat.dtypes, structure.diff, strict=True) if is_diff
     ]
+    gather = combine_program.gather(plan) if scatter.PIECE in layouts else None
 
     def local(*vectors):
         *grads, loss_sum, weight = flat.unpack(vectors)
+        for i, kind in enumerate(kinds):  # the pieces: divided where they lie
+            if kind != scatter.WHOLE:
+                grads[i] = scatter.divided(grads[i], weight, dtypes[i])
+            if kind == scatter.PIECE:
+                assert gather is not None
+                grads[i] = gather(grads[i]).reshape(shapes[i])
         return loss_sum, weight, tuple(grads)
 
     split = jax.shard_map(
@@ -329,10 +343,16 @@ def unpack_program(plan: Plan, grad_shardings, loss_sharding, scattered: tuple[b
         out_specs=(P(), P(), out_specs),
         check_vma=False,
     )
+    rest = [i for i, kind in enumerate(kinds) if kind == scatter.WHOLE]
 
     def unpack(vectors):  # the grads pytree (None for non-float leaves), built by jit
         loss_sum, weight, grads = split(*vectors)
-        loss, grads = sums.normalize(loss_sum, weight, list(grads), dtypes)
+        grads = list(grads)
+        loss, divided = sums.normalize(
+            loss_sum, weight, [grads[i] for i in rest], [dtypes[i] for i in rest]
+        )
+        for i, g in zip(rest, divided, strict=True):
+            grads[i] = g
         return loss, structure.grads_tree(grads), weight
 
     shardings = (loss_sharding, structure.grads_tree(grad_shardings), loss_sharding)

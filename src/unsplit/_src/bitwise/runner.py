@@ -221,15 +221,16 @@ class Runner:
 
 
 def _fused(runner: Runner):
-    """The combine and the unpack as one program; the grads of params sharded over the
-    groups' axes are left in the pieces the combine's reduce-scatter leaves on each
-    device (:mod:`~unsplit._src.bitwise.combine.scatter`), never all-gathered."""
+    """The combine and the unpack as one program: the large leaves' totals divided by the
+    weight as the reduce-scatter's pieces, before their all-gather; the grads of params
+    sharded over the groups' axes never all-gathered
+    (:mod:`~unsplit._src.bitwise.combine.scatter`)."""
     plan = runner.plan
-    which = scatter.scattered(plan)
+    layouts = scatter.layouts(plan)
     add, unpack = runner.combine, runner.unpack
-    if any(which):
-        add = combine.program(plan, which)
-        unpack = programs.unpack_program(plan, runner.grad_shardings, runner.loss_sharding, which)
+    if any(kind != scatter.WHOLE for kind in layouts):
+        add = combine.program(plan, layouts)
+        unpack = programs.unpack_program(plan, runner.grad_shardings, runner.loss_sharding, layouts)
     # The unpack's shardings, as given (inside another jit they only constrain).
     grads = plan.structure.grads_tree(runner.grad_shardings)
     outs = (runner.loss_sharding, grads, runner.loss_sharding)

@@ -35,12 +35,13 @@ def slots_spec(plan: Plan) -> P:
     return P(plan.outer_entry, None, partition.entry(plan.group_axes))
 
 
-def program(plan: Plan, scattered: tuple[bool, ...] = ()):
+def program(plan: Plan, layouts: tuple[str, ...] = ()):
     """The groups' blocks -> the total, added in the canonical tree (on the compute mesh).
 
-    ``scattered`` (per sums vector, :mod:`~unsplit._src.bitwise.combine.scatter`): those
-    vectors come out as each group's piece of the total (spec ``scatter.piece_spec``), not
-    all-gathered.
+    ``layouts`` (per sums vector, :func:`~unsplit._src.bitwise.combine.scatter.layouts`;
+    default all ``WHOLE``): a ``SHARD`` vector comes out as each group's piece of the
+    total in group order, a ``PIECE`` one as the piece the reduce-scatter leaves (for
+    :func:`gather` after the unpack divides it); both with spec ``scatter.piece_spec``.
 
     By pairs of devices where :func:`_pairwise` allows it; otherwise this general way.
     A fixed-order reduce-scatter, then an all-gather: each flat vector is cut into
@@ -52,9 +53,9 @@ def program(plan: Plan, scattered: tuple[bool, ...] = ()):
     blocks a group holds, one when each group's share is one aligned subtree):
     a ring all-reduce's bytes, with the order fixed. Never a ``psum``.
     """
-    scattered = scattered or (False,) * len(plan.sums_flat.vectors)
+    layouts = layouts or (scatter.WHOLE,) * len(plan.sums_flat.vectors)
     if _pairwise(plan):
-        return _pairwise_combine(plan, scattered)
+        return _pairwise_combine(plan, layouts)
     mesh = plan.compute
     batch = plan.outer_entry
     n = len(plan.sums_flat.vectors)
@@ -64,7 +65,7 @@ def program(plan: Plan, scattered: tuple[bool, ...] = ()):
     def add(a, b):
         return [pairwise.add(x, y) for x, y in zip(a, b, strict=True)]
 
-    def scatter(s):
+    def exchange(s):
         """(1, slots, length) -> (groups, slots, piece): every group's blocks of my piece."""
         piece = -(-s.shape[2] // groups)
         # Each piece sliced from the input, only the short last one padded: one copy of the
@@ -77,7 +78,7 @@ def program(plan: Plan, scattered: tuple[bool, ...] = ()):
         if plan.slots == 1:  # each group's one block as the chunk program wrote it
             slots = tuple(s.reshape(1, 1, -1) for s in slots)
         length = [s.shape[2] for s in slots]
-        mine = [scatter(s) for s in slots] if groups > 1 else [s for s in slots]
+        mine = [exchange(s) for s in slots] if groups > 1 else [s for s in slots]
         named = {
             block: [m[g, j] for m in mine]
             for g, blocks in enumerate(layout)
@@ -87,8 +88,8 @@ def program(plan: Plan, scattered: tuple[bool, ...] = ()):
         if groups == 1:
             return tuple(piece)
         return tuple(
-            p if keep else jax.lax.all_gather(p, batch, tiled=True)[:n_]
-            for p, n_, keep in zip(piece, length, scattered, strict=True)
+            jax.lax.all_gather(p, batch, tiled=True)[:n_] if kind == scatter.WHOLE else p
+            for p, n_, kind in zip(piece, length, layouts, strict=True)
         )
 
     return jax.jit(
@@ -96,16 +97,25 @@ def program(plan: Plan, scattered: tuple[bool, ...] = ()):
             local,
             mesh=mesh,
             in_specs=(slots_spec(plan),) * n,
-            out_specs=_out_specs(plan, scattered),
+            out_specs=_out_specs(plan, layouts),
             check_vma=False,
         )
     )
 
 
-def _out_specs(plan: Plan, scattered: tuple[bool, ...]) -> tuple[P, ...]:
-    """The totals' specs: whole on every group, or each group's piece (``scattered``)."""
+def _out_specs(plan: Plan, layouts: tuple[str, ...]) -> tuple[P, ...]:
+    """The totals' specs: whole on every group, or each group's piece."""
     whole = P(partition.entry(plan.group_axes))
-    return tuple(scatter.piece_spec(plan) if keep else whole for keep in scattered)
+    return tuple(whole if kind == scatter.WHOLE else scatter.piece_spec(plan) for kind in layouts)
+
+
+def gather(plan: Plan):
+    """``piece -> total`` inside a ``shard_map`` over the outer axes: the inverse of the
+    combine's reduce-scatter for a ``PIECE`` vector (exact data movement)."""
+    groups, outer = plan.groups, plan.outer_entry
+    if _pairwise(plan):  # its pieces in bit-reversed group order
+        return lambda piece: pairwise.all_gather(piece, outer, groups)
+    return lambda piece: jax.lax.all_gather(piece, outer, tiled=True)
 
 
 def _pairwise(plan: Plan) -> bool:
@@ -118,7 +128,7 @@ def _pairwise(plan: Plan) -> bool:
     return all(pairwise.exact(plan.compute, leading, d) for d in plan.sums_flat.vectors)
 
 
-def _pairwise_combine(plan: Plan, scattered: tuple[bool, ...]):
+def _pairwise_combine(plan: Plan, layouts: tuple[str, ...]):
     """:func:`program` as reduce-scatters and all-gathers of two devices each."""
     n = len(plan.sums_flat.vectors)
     groups, outer = plan.groups, plan.outer_entry
@@ -126,17 +136,19 @@ def _pairwise_combine(plan: Plan, scattered: tuple[bool, ...]):
     def local(*vectors):
         # Each vector's length is a multiple of the groups: the sums' layout is padded (plan).
         pieces = [pairwise.reduce_scatter(v, outer, groups) for v in vectors]
-        return tuple(
-            scatter.in_order(p, outer, groups) if keep else pairwise.all_gather(p, outer, groups)
-            for p, keep in zip(pieces, scattered, strict=True)
-        )
+        moves = {
+            scatter.WHOLE: lambda p: pairwise.all_gather(p, outer, groups),
+            scatter.SHARD: lambda p: scatter.in_order(p, outer, groups),
+            scatter.PIECE: lambda p: p,
+        }
+        return tuple(moves[kind](p) for p, kind in zip(pieces, layouts, strict=True))
 
     return jax.jit(
         jax.shard_map(
             local,
             mesh=plan.compute,
             in_specs=(slots_spec(plan),) * n,
-            out_specs=_out_specs(plan, scattered),
+            out_specs=_out_specs(plan, layouts),
             check_vma=False,
         )
     )

@@ -26,10 +26,12 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
 from unsplit._src.bitwise.flat import FlatPlan
+from unsplit._src.step import sums
 
 
 def bit_reversed(g: int, groups: int) -> int:
@@ -47,15 +49,24 @@ def in_order(piece: jax.Array, axes: Any, groups: int) -> jax.Array:
     return jax.lax.ppermute(piece, axes, perm)
 
 
-def scattered(plan: Any) -> tuple[bool, ...]:
-    """Per sums vector: whether the combine leaves it as the groups' pieces (see above).
+# How the step's combine-and-unpack program leaves each sums vector (:func:`layouts`).
+WHOLE = "whole"  # all-gathered by the combine, unpacked, then divided by the weight
+SHARD = "shard"  # an FSDP leaf's piece: divided where it lies, never all-gathered
+PIECE = "piece"  # a large leaf's piece: divided, then all-gathered (1 / groups of the division)
 
-    A vector of one grad leaf alone whose spec on the user's mesh splits dimension
-    0 over exactly the outer batch axes (in order) and no other dimension over
-    them, with its vector and its local dimension 0 divisible by the groups.
+
+def layouts(plan: Any) -> tuple[str, ...]:
+    """Per sums vector: :data:`SHARD`, :data:`PIECE` or :data:`WHOLE` (see above).
+
+    A vector of one grad leaf alone (:class:`~unsplit._src.bitwise.flat.FlatPlan`'s
+    ``alone``, unpadded) is a :data:`PIECE` where there are several groups; a
+    :data:`SHARD` when the leaf's spec on the user's mesh splits dimension 0 over
+    exactly the outer batch axes (in order) and no other dimension over them, and the
+    groups divide that dimension. The shared vectors (the small leaves, the loss and the
+    weight) are :data:`WHOLE`.
     """
     flat = plan.sums_flat
-    out = [False] * len(flat.vectors)
+    out = [WHOLE] * len(flat.vectors)
     if plan.groups < 2:
         return tuple(out)
     outer = tuple(plan.outer_axes)
@@ -68,27 +79,50 @@ def scattered(plan: Any) -> tuple[bool, ...]:
         shape = flat.shapes[i]
         if count[v] != 1 or not shape or flat.lengths[v] != math.prod(shape):
             continue
+        out[v] = PIECE
         rest = {n for e in spec[1:] for n in partition.names(e)}
         if (
             partition.names(spec[0]) == outer
             and not rest & set(outer)
             and shape[0] % plan.groups == 0
         ):
-            out[v] = True
+            out[v] = SHARD
     return tuple(out)
 
 
-def pieces_plan(plan: Any, which: tuple[bool, ...]) -> FlatPlan:
-    """The sums' flat layout with each ``which`` vector as one group's piece: its leaf's
-    dimension 0 divided by the groups."""
+def scattered(plan: Any) -> tuple[bool, ...]:
+    """Per sums vector: whether the step leaves its total in the groups' pieces (SHARD)."""
+    return tuple(kind == SHARD for kind in layouts(plan))
+
+
+def pieces_plan(plan: Any, layouts: tuple[str, ...]) -> FlatPlan:
+    """The sums' flat layout as the unpack gets them: a ``SHARD`` vector's leaf as its
+    dimension 0 divided by the groups, a ``PIECE`` vector's as a flat piece."""
     flat = plan.sums_flat
     shapes = list(flat.shapes)
     lengths = list(flat.lengths)
     for i, (v, _) in enumerate(flat.slots):
-        if v >= 0 and which[v]:
+        if v < 0 or layouts[v] == WHOLE:
+            continue
+        lengths[v] //= plan.groups
+        if layouts[v] == SHARD:
             shapes[i] = (shapes[i][0] // plan.groups, *shapes[i][1:])
-            lengths[v] //= plan.groups
+        else:
+            shapes[i] = (lengths[v],)
     return dataclasses.replace(flat, shapes=tuple(shapes), lengths=tuple(lengths))
+
+
+def divided(piece: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
+    """``piece / weight`` cast to ``dtype``: :func:`~unsplit._src.step.sums.normalize`'s
+    division of one grad, with the weight broadcast behind an optimization barrier.
+
+    Seen as ``x / broadcast(w)``, XLA:CPU rewrote some such divisions in the combined
+    program into ``x * broadcast(1 / w)`` (measured: a third of a leaf's elements 1 ulp
+    off); a divisor XLA cannot see as a broadcast keeps the division as written.
+    """
+    w = sums.valid_weight(weight).astype(piece.dtype)
+    w = jax.lax.optimization_barrier(jnp.broadcast_to(w, piece.shape))
+    return (piece / w).astype(dtype)
 
 
 def piece_spec(plan: Any) -> P:

@@ -13,6 +13,7 @@ import unsplit
 from unsplit._src.bitwise import plan as plan_lib
 from unsplit._src.bitwise import reduce
 from unsplit._src.bitwise.combine import pairwise, scatter
+from unsplit._src.bitwise.combine import program as combine
 
 pytestmark = pytest.mark.xdist_group("bitwise")
 KEY = jax.random.key(3)
@@ -24,12 +25,13 @@ def _mesh(shape, names):
 
 
 def loss_fn(params, x, key):
-    h = jax.nn.gelu(x @ params["w1"] + params["b1"])
+    p = {k: v.astype(x.dtype) for k, v in params.items()}  # bf16 params computed in f32
+    h = jax.nn.gelu(x @ p["w1"] + p["b1"])
     h = unsplit.dropout(key, h, 0.1)
-    return jnp.mean((h @ params["w2"] + params["b2"] - x) ** 2)
+    return jnp.mean((h @ p["w2"] + p["b2"] - x) ** 2)
 
 
-def _problem(mesh, specs):
+def _problem(mesh, specs, rows=32, dtype=np.float32):
     rng = np.random.default_rng(0)
     host = {
         "w1": rng.normal(size=(WIDTH, HIDDEN)).astype(np.float32) / np.sqrt(WIDTH),
@@ -37,7 +39,8 @@ def _problem(mesh, specs):
         "w2": rng.normal(size=(HIDDEN, WIDTH)).astype(np.float32) / np.sqrt(HIDDEN),
         "b2": np.zeros(WIDTH, np.float32),
     }
-    x = rng.normal(size=(32, WIDTH)).astype(np.float32)
+    host = {k: v.astype(dtype) for k, v in host.items()}
+    x = rng.normal(size=(rows, WIDTH)).astype(np.float32)
     if mesh is None:
         return host, x
     params = {k: jax.device_put(v, NamedSharding(mesh, specs.get(k, P()))) for k, v in host.items()}
@@ -129,3 +132,31 @@ def test_only_leaves_split_over_exactly_the_groups_axes_are_scattered(monkeypatc
     monkeypatch.setattr(plan_lib, "_DIRECT_ELEMENTS", 1 << 30)  # no leaf alone: none
     runner, _, _ = _runner(mesh, FSDP)
     assert not any(scatter.scattered(runner.plan))
+
+
+@pytest.mark.parametrize(
+    ("data", "rows", "chunk", "spec", "dtype"),
+    [(8, 32, 4, P(), np.float32), (8, 32, 4, P(), jnp.bfloat16), (2, 32, 4, P(), np.float32),
+     (8, 32, 4, P("data", None), jnp.bfloat16),
+     # 3 chunks per group: two blocks each, the general (all_to_all) combine
+     (8, 48, 2, P(), np.float32), (8, 48, 2, P("data", None), np.float32)],
+)  # fmt: skip
+def test_large_totals_divided_as_pieces_then_gathered_give_one_devices_bits(
+    data, rows, chunk, spec, dtype
+):
+    """The division (and the cast to the params' dtype) runs on each group's piece before
+    the all-gather, by pairs and by the general path; an FSDP leaf's piece is its grad."""
+    mesh = _mesh((data,), ("data",))
+    params, x = _problem(mesh, {"w1": spec, "w2": spec}, rows=rows, dtype=dtype)
+    step = unsplit.value_and_grad(loss_fn, mesh=mesh, bitwise=True, chunk_size=chunk)
+    got = step(params, x, KEY)
+    (runner,) = step._engine._plans.values()
+    plan = runner.plan
+    kinds = {scatter.layouts(plan)[plan.sums_flat.slots[i][0]] for i in (2, 3)}
+    assert kinds == {scatter.SHARD if spec != P() else scatter.PIECE}
+    assert combine._pairwise(plan) == (rows == 32)
+    host, hx = _problem(None, {}, rows=rows, dtype=dtype)
+    reference = unsplit.value_and_grad(loss_fn, bitwise=True, chunk_size=chunk)(host, hx, KEY)
+    assert unsplit.testing.bits_equal(got, reference)
+    assert got[1]["w1"].dtype == jnp.dtype(dtype)
+    assert got[1]["w1"].sharding.is_equivalent_to(params["w1"].sharding, 2)
