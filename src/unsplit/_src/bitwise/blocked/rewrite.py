@@ -105,12 +105,14 @@ def program(
     blocks: int = DEFAULT_BLOCKS,
     gather_unsupported: bool = True,
     compiler_options: dict | None = None,
+    wrap: Any = None,
 ):
     """``jax.jit`` of ``fn`` run manual over ``gmesh`` with the canonical-block rewrite.
 
     ``args`` are ``fn``'s arguments (arrays or shape-dtype structs: the whole
     shapes), ``in_specs`` and ``out_specs`` trees of specs over ``gmesh``'s axes,
-    shaped like ``args`` and ``fn``'s outputs; ``compiler_options`` go to ``jax.jit``.
+    shaped like ``args`` and ``fn``'s outputs; ``compiler_options`` go to ``jax.jit``;
+    ``wrap`` (optional) transforms the rewritten ``shard_map`` before it is jitted.
     """
     local, mapped_specs, unflatten = manual(
         fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=gather_unsupported
@@ -119,6 +121,8 @@ def program(
     mapped = jax.shard_map(
         local, mesh=gmesh, in_specs=tuple(ins), out_specs=list(outs), check_vma=False
     )
+    if wrap is not None:
+        mapped = wrap(mapped)
     run = jax.jit(
         lambda *trees: unflatten(mapped(*jax.tree.leaves(trees))),
         compiler_options=compiler_options,

@@ -73,10 +73,15 @@ def program(
     structs: the whole shapes), ``in_specs`` and ``out_specs`` trees of specs over the
     group axes. Raises :class:`Unsupported` or :class:`BlockError` when the update holds
     an equation the rewrite cannot run on the blocks."""
-    # On CPU its elementwise math compiled as written: a group of another size computes the
-    # same elements on arrays of other lengths (canonical_dots.exact_elementwise).
-    cpu = canonical_dots.is_cpu(gmesh.devices.flat)
+    # On CPU, as the chunk programs: XLA's default level, every product rounded on its own
+    # (no FMA that another group size's fusions would not make), at every array length the
+    # same element code (canonical_dots.cpu_options). Level 0 (canonical_dots.exact_elementwise)
+    # gave the same bits and cost 1.3x the train step on the FSDP-groups benchmark.
+    if canonical_dots.is_cpu(gmesh.devices.flat):
+        return rewrite.program(
+            fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=False,
+            compiler_options=canonical_dots.cpu_options(), wrap=canonical_dots.canonicalize,
+        )  # fmt: skip
     return rewrite.program(
-        fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=False,
-        compiler_options=canonical_dots.exact_elementwise() if cpu else None,
-    )  # fmt: skip
+        fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=False
+    )

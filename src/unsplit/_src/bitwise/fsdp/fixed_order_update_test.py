@@ -13,7 +13,9 @@ from unsplit._src.bitwise.blocked import rewrite
 from unsplit._src.bitwise.fsdp import fixed_order_update
 from unsplit._src.bitwise.update import FixedOrderFallback, GroupedUpdate
 
-pytestmark = pytest.mark.usefixtures("standard_promotion")  # optax mixes floats and int32
+# optax mixes floats and int32; the update compiled as users get it (XLA's default level,
+# products rounded: canonical_dots.cpu_options), not at the suite's level 0.
+pytestmark = pytest.mark.usefixtures("standard_promotion", "users_chunk_level")
 
 KEYS = jax.random.split(jax.random.key(3), 6)
 PARAMS = {
