@@ -57,8 +57,8 @@ from unsplit._src.step import dot_transposes, jaxpr_eval
 # array's length (0.10.2: `exp`, :func:`_exp`; 0.12.1: `tanh`, vectors of one element) is
 # fixed too; `erf` is left as XLA computes it. Measured: the guide, "XLA's CPU optimization level".
 _DEFAULT_LEVEL: dict[str, str | bool] = {"xla_backend_optimization_level": "3"}
-# The FSDP groups' fixed-order update (not rewritten by :func:`canonicalize`) compiles at
-# level 0, which rounds as written without the identities.
+# Level 0 rounds as written without the identities (:func:`exact_elementwise`; the FSDP
+# groups' fixed-order update compiled there until it took the chunk programs' options).
 _EXACT_ELEMENTWISE: dict[str, str | bool] = {"xla_backend_optimization_level": "0"}
 
 # A measuring switch, not a setting: with it "1" (read when a step's programs are made; in
@@ -101,8 +101,8 @@ def exact_elementwise() -> dict[str, str | bool]:
     multiply-adds, no vectorized loops), and on XLA:CPU without its legacy elementwise
     emitter (JAX 0.12.1), vectors of one element (its own emitter vectorizes even at level
     0: `tanh`, `erf`, `rsqrt` and `x * 1.1 + 0.3` gave other bits alone, one element at a
-    time or fused with a transpose). The FSDP groups' fixed-order update compiles under
-    them; the chunk programs round their products instead (:func:`cpu_options`).
+    time or fused with a transpose). Bitwise mode's programs round their products instead
+    and compile at the default level (:func:`cpu_options`), which cost less.
 
     Example:
         >>> from unsplit._src.bitwise import canonical_dots

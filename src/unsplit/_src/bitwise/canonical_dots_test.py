@@ -216,7 +216,7 @@ _FMA_SCRIPT = textwrap.dedent(
     ways = {
         "xla": (fn, None),
         "chunk": (canonical_dots.canonicalize(fn), canonical_dots.cpu_options()),
-        "update": (fn, canonical_dots.exact_elementwise()),
+        "level 0": (fn, canonical_dots.exact_elementwise()),
     }
     for name, (f, options) in ways.items():
         got = np.asarray(jax.jit(f, compiler_options=options)(*args))
@@ -238,7 +238,7 @@ def test_bitwise_cpu_programs_round_every_multiply_and_add():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["chunk"] == [1.0, 0.0]  # every element rounded after the multiply
-    assert out["update"] == [1.0, 0.0]
+    assert out["level 0"] == [1.0, 0.0]
     assert out["xla"] == [0.0, 1.0]  # negative control: XLA's default level fuses them
 
 
