@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from jax.experimental import multihost_utils
 
 import unsplit
 from unsplit._src import test_util as testing
@@ -142,6 +143,37 @@ def _mesh(devices: int, model: int):
     return jax.make_mesh((devices // model, model), ("data", "model"), axis_types=auto)
 
 
+def worker_pieces():
+    """Every leaf counted large (a sums vector of its own): replicated params take the
+    PIECE layout (divided pieces all-gathered across the processes), FSDP params the SHARD
+    layout (pieces permuted into their shards). Returns each step's bits and layouts."""
+    from unsplit._src.bitwise import plan as plan_lib
+    from unsplit._src.bitwise.combine import scatter
+
+    plan_lib._DIRECT_ELEMENTS = 1
+    _, params, batch = testing.problem()
+    mesh = _mesh(jax.device_count(), 1)
+    rows = 64 // jax.process_count()
+    mine = jax.tree.map(lambda x: x[jax.process_index() * rows :][:rows], batch)
+    global_rows, ids = unsplit.global_batch(mine, mesh)
+    out = {}
+    for name, specs in [("piece", None), ("shard", testing.fsdp_specs(params, "data", 4))]:
+        step = unsplit.value_and_grad(
+            testing.weighted_loss(), weighted=True, mesh=mesh, bitwise=True
+        )
+        loss, grads = step(
+            testing.replicated(params, mesh, specs), global_rows, jax.random.key(KEY_SEED), ids=ids
+        )
+        (runner,) = step._engine._plans.values()
+        whole = [multihost_utils.process_allgather(x, tiled=True) for x in jax.tree.leaves(grads)]
+        out[name] = {
+            "hex": testing.to_hex([testing.local_value(loss), *whole]),
+            "layouts": sorted(set(scatter.layouts(runner.plan))),
+            "fused": runner.fused is not None,
+        }
+    return out
+
+
 def worker_train(steps: int, microbatches: int):
     params = testing.train(steps, microbatches, devices=jax.device_count(), bitwise=True)
     return {"hex": testing.to_hex(params)}
@@ -211,6 +243,21 @@ def test_bitwise_tensor_parallel_two_processes_match_one_process():
     ref = jax.tree.map(testing.local_value, step(placed, batch, jax.random.key(KEY_SEED)))
     assert results[0]["hex"] == results[1]["hex"]
     assert testing.bits_equal(from_hex(results[0]["hex"], ref), ref)
+
+
+@pytest.mark.multiprocess
+def test_grad_pieces_divided_and_gathered_across_processes_keep_the_one_device_bits():
+    # 2 processes x 2 devices, every leaf a sums vector of its own: the pieces' all-gather
+    # (replicated) and their permute into the FSDP shards cross the processes.
+    results = launch.run_local_processes(
+        "unsplit._src.processes.global_batch_test:worker_pieces", timeout_s=TIMEOUT
+    )
+    ref = single_process(bitwise=True)
+    for r in results:
+        assert "piece" in r["piece"]["layouts"] and r["piece"]["fused"]
+        assert "shard" in r["shard"]["layouts"] and r["shard"]["fused"]
+        for name in ("piece", "shard"):
+            assert testing.bits_equal(from_hex(r[name]["hex"], ref), ref), name
 
 
 @pytest.mark.multiprocess

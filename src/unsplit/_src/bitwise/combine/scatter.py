@@ -1,17 +1,22 @@
-"""Grad sums left where the params' shards are: no all-gather of what each device drops.
+"""Grad totals divided where the combine's reduce-scatter leaves them, in pieces.
 
-A param sharded over the batch axes (FSDP: ``P("data", None)`` with ``data`` the
-groups' axis) needs on each device only its rows of the total. The combine's
-reduce-scatter already leaves group ``g`` one ``1 / groups`` piece of every sums
-vector; for a large leaf with a vector of its own (:class:`~.flat.FlatPlan`'s
-``alone``) whose dimension 0 is split over exactly the groups' axes, piece ``g``
-*is* group ``g``'s shard (row-major: rows ``[g r, (g + 1) r)``). Such a vector
-is *scattered*: the combine returns its pieces in group order (the pairwise
-reduce-scatter leaves group ``g`` piece ``bit_reversed(g)``: one collective
-permute of a piece puts them back in order) and the unpack reshapes each into
-the shard and divides it by the weight, where the all-gather wrote the whole
-total on every device and the unpack then cut each device's shard out of it.
-Data movement only: the same bits as the all-gathered total's shard.
+The combine's reduce-scatter leaves group ``g`` one ``1 / groups`` piece of every sums
+vector. For a large leaf with a vector of its own (:class:`~.flat.FlatPlan`'s
+``alone``), the fused combine-and-unpack program (:func:`layouts`) does not all-gather
+the total and then divide it on every device:
+
+- :data:`PIECE`: each group divides its piece by the weight (1 / groups of the
+  division's work) and the divided pieces are all-gathered into the grad;
+- :data:`SHARD`: a leaf whose dimension 0 is split over exactly the groups' axes (FSDP:
+  ``P("data", None)`` with ``data`` the groups' axis). Piece ``g`` *is* group ``g``'s
+  shard (row-major: rows ``[g r, (g + 1) r)``), so it is divided where it lies and never
+  all-gathered. The pairwise reduce-scatter leaves group ``g`` piece
+  ``bit_reversed(g)``: one collective permute (:func:`in_order`) puts them in order.
+
+The shared vectors (small leaves, the loss and the weight) stay :data:`WHOLE`:
+all-gathered, unpacked, then divided. Data movement and where the division runs are all
+that change: every layout gives the bits of the all-gathered total divided
+(:func:`divided` keeps the division a division).
 
 Example:
     >>> from unsplit._src.bitwise.combine import scatter
@@ -88,11 +93,6 @@ def layouts(plan: Any) -> tuple[str, ...]:
         ):
             out[v] = SHARD
     return tuple(out)
-
-
-def scattered(plan: Any) -> tuple[bool, ...]:
-    """Per sums vector: whether the step leaves its total in the groups' pieces (SHARD)."""
-    return tuple(kind == SHARD for kind in layouts(plan))
 
 
 def pieces_plan(plan: Any, layouts: tuple[str, ...]) -> FlatPlan:

@@ -92,10 +92,10 @@ def test_the_pairwise_pieces_put_in_order_are_each_groups_piece_of_the_tree():
 def test_fsdp_grads_come_out_of_the_reduce_scatter_in_their_shards(shape, names):
     mesh = _mesh(shape, names)
     runner, params, got = _runner(mesh, FSDP)
-    which = scatter.scattered(runner.plan)
+    which = scatter.layouts(runner.plan)
     flat = runner.plan.sums_flat
     by_name = {name: which[flat.slots[i][0]] for i, name in enumerate(sorted(params))}
-    assert by_name == {"b1": False, "b2": False, "w1": True, "w2": True}
+    assert by_name == {"b1": "whole", "b2": "whole", "w1": "shard", "w2": "shard"}
     reference = unsplit.value_and_grad(loss_fn, bitwise=True, chunk_size=4)(
         *_problem(None, {}), KEY
     )
@@ -128,10 +128,10 @@ def test_only_leaves_split_over_exactly_the_groups_axes_are_scattered(monkeypatc
     # Replicated or split over the model axis: all-gathered.
     for specs in ({}, {"w1": P(None, "model"), "w2": P("model", None)}):
         runner, _, _ = _runner(mesh, specs)
-        assert not any(scatter.scattered(runner.plan))
+        assert scatter.SHARD not in scatter.layouts(runner.plan)
     monkeypatch.setattr(plan_lib, "_DIRECT_ELEMENTS", 1 << 30)  # no leaf alone: none
     runner, _, _ = _runner(mesh, FSDP)
-    assert not any(scatter.scattered(runner.plan))
+    assert set(scatter.layouts(runner.plan)) == {scatter.WHOLE}
 
 
 @pytest.mark.parametrize(
