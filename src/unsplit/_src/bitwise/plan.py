@@ -33,7 +33,6 @@ from jax.sharding import PartitionSpec as P
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import reduce
-from unsplit._src.bitwise.combine import pairwise
 from unsplit._src.bitwise.flat import FlatPlan
 from unsplit._src.step import constraints, sums
 from unsplit._src.step.layout import Layout
@@ -103,10 +102,10 @@ class Plan:
         return Mesh(self.group_devices(g), self.group_axes)
 
     def pack_sums(self, parts: Sequence[Any]) -> list[Any]:
-        """A chunk's ``(grads..., loss_sum, weight)`` as the sums' flat vectors, every ``-0``
-        written ``+0`` (:func:`~unsplit._src.bitwise.combine.pairwise.positive_zeros`: no sum the
-        canonical tree adds is ``-0``, so a collective that adds into zeros keeps its bits)."""
-        return self.sums_flat.pack(pairwise.positive_zeros(list(parts)))
+        """A chunk's ``(grads..., loss_sum, weight)`` as the sums' flat vectors, as computed
+        (signed zeros and all: every add of the canonical tree writes its zeros ``+0``, and the
+        unpack writes the total's, :mod:`~unsplit._src.bitwise.combine.pairwise`)."""
+        return self.sums_flat.pack(list(parts))
 
     def blocks(self, g: int) -> list[reduce.Block]:
         return reduce.aligned_blocks(g * self.per_group, (g + 1) * self.per_group)

@@ -348,8 +348,13 @@ def unpack_program(plan: Plan, grad_shardings, loss_sharding, layouts: tuple[str
     def unpack(vectors):  # the grads pytree (None for non-float leaves), built by jit
         loss_sum, weight, grads = split(*vectors)
         grads = list(grads)
+        # The totals' zeros written +0 (fused into the division): a total of one chunk sum
+        # never met the tree's adds, which write every other sum's so.
         loss, divided = sums.normalize(
-            loss_sum, weight, [grads[i] for i in rest], [dtypes[i] for i in rest]
+            pairwise.positive_zero(loss_sum),
+            weight,
+            pairwise.positive_zeros([grads[i] for i in rest]),
+            [dtypes[i] for i in rest],
         )
         for i, g in zip(rest, divided, strict=True):
             grads[i] = g

@@ -15,14 +15,15 @@ Two things are not left to the collective's implementation:
 
 * **signed zeros**: an implementation that accumulates into a zero buffer gives
   ``+0`` for ``-0 + -0`` (XLA:CPU's does), where a compiled add gives ``-0``. So
-  every sum of the tree is written with its zeros positive, on every path: the
-  chunk programs' sums (:func:`positive_zeros`), each add of blocks (:func:`add`)
-  and each level of :func:`reduce_scatter`; a sum is ``-0`` only when both
-  operands are, or when a negative result below the smallest normal is flushed
-  (XLA:CPU flushes subnormals, in its collectives too), and neither reaches an add;
+  every sum of the tree is written with its zeros positive, on every path: each
+  add of blocks (:func:`add`), each level of :func:`reduce_scatter`, and the
+  total before its division (the unpack: a total of one chunk never met an add).
+  The chunk programs' sums enter as computed: a ``-0`` or a subnormal there is an
+  operand, and the add (which flushes subnormals on XLA:CPU, in its collectives
+  too) or the collective seen to add like it writes the sum;
 * **the add itself**: :func:`exact` runs the pairwise reduce-scatter beside
   explicit adds on the same devices, on inputs drawn from a fixed seed (normal
-  values, subnormals, zeros, large and small magnitudes), once per mesh and
+  values, subnormals, signed zeros, large and small magnitudes), once per mesh and
   dtype, and the combine takes this path only if every element's bits agree
   (the verdict is an integer ``psum`` over every device, exact, so every
   process decides alike). It is evidence on those inputs, not a proof.
@@ -117,7 +118,6 @@ def _verdict(devices: tuple, shape: tuple, names: tuple, leading: int, dtype: An
     inputs = _draw(int(np.prod(shape)), size, dtype)
 
     def check(x):
-        x = positive_zero(x)  # as the chunk programs write their sums
         got = all_gather(reduce_scatter(x, axes, groups), axes, groups)
         parts = jax.lax.all_gather(x, axes, axis=0, tiled=False)  # (groups, size)
         want = reduce.combine({(g, 1): parts[g] for g in range(groups)}, groups, add)
@@ -158,12 +158,12 @@ _REFUSED: dict[tuple, str] = {}
 
 
 def _draw(devices: int, size: int, dtype: Any) -> np.ndarray:
-    """Each device's ``size`` values: normal, subnormal, zeros (positive), huge and tiny."""
+    """Each device's ``size`` values: normal, subnormal, zeros of either sign, huge and tiny."""
     rng = np.random.default_rng(0)
     info = jnp.finfo(dtype)
     x = rng.normal(size=(devices, size))
     x[:, : size // 8] *= float(info.smallest_subnormal) * 64
-    x[:, size // 8 : size // 4] = 0.0
+    x[:, size // 8 : size // 4] = np.copysign(0.0, x[:, size // 8 : size // 4])  # -0 and +0
     huge = slice(size // 4, size // 4 + size // 16)  # positive: sums overflow to +inf only
     x[:, huge] = np.minimum(np.abs(x[:, huge]), 3) * float(info.max) / 16
     x[:, -size // 8 :] *= float(info.tiny)

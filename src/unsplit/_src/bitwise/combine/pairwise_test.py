@@ -20,7 +20,7 @@ def _mesh(shape, names):
 def _values(devices, size, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(devices, size)).astype(np.float32) * 10.0 ** rng.integers(-3, 4, size)
-    x[:, :16] = np.float32(0.0)  # zeros: the chunk programs write them positive
+    x[:, :16] = np.float32(0.0)  # +0: jnp.add's tree below keeps a -0 that the tree's add writes +0
     return x
 
 
@@ -154,3 +154,24 @@ def test_a_step_by_pairs_gives_the_bits_of_the_general_combine_and_of_one_device
     general = step(mesh=mesh)(params, x, key)
     assert unsplit.testing.bits_equal(by_pairs, general)
     assert unsplit.testing.bits_equal(by_pairs, one)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 2])
+def test_grads_of_exactly_minus_zero_come_out_plus_zero_at_every_chunk_count(chunk_size):
+    """The chunk programs' sums enter the tree as computed; every add writes its zeros +0 and
+    the unpack the total's (one chunk in all meets no add): the sign never depends on how
+    many adds ran. Negative control: ``jax.grad`` gives these grads as -0."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(12, 3)), jnp.float32), "b": jnp.ones(16)}
+    x = jnp.asarray(rng.normal(size=(16, 12)), jnp.float32)
+
+    def loss(params, x, key):
+        h = unsplit.dropout(key, x @ params["w"], 0.25)
+        return jnp.mean(h) + jnp.sum(params["b"]) * jnp.float32(-0.0)  # d/db: -0
+
+    _, grads = unsplit.value_and_grad(loss, bitwise=True, chunk_size=chunk_size)(
+        params, x, jax.random.key(0)
+    )
+    assert np.all(np.asarray(grads["b"]) == 0) and not np.signbit(grads["b"]).any()
+    plain = jax.grad(lambda p: loss(p, x[0], jax.random.key(0)))(params)
+    assert np.signbit(plain["b"]).all()

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
+from unsplit._src.bitwise.combine import pairwise
 from unsplit._src.bitwise.flat import FlatPlan
 from unsplit._src.step import sums
 
@@ -114,7 +115,8 @@ def pieces_plan(plan: Any, layouts: tuple[str, ...]) -> FlatPlan:
 
 def divided(piece: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
     """``piece / weight`` cast to ``dtype``: :func:`~unsplit._src.step.sums.normalize`'s
-    division of one grad, with the weight broadcast behind an optimization barrier.
+    division of one grad (its zeros first written ``+0``, as the unpack writes every
+    total's), with the weight broadcast behind an optimization barrier.
 
     Seen as ``x / broadcast(w)``, XLA:CPU rewrote some such divisions in the combined
     program into ``x * broadcast(1 / w)`` (measured: a third of a leaf's elements 1 ulp
@@ -122,7 +124,7 @@ def divided(piece: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
     """
     w = sums.valid_weight(weight).astype(piece.dtype)
     w = jax.lax.optimization_barrier(jnp.broadcast_to(w, piece.shape))
-    return (piece / w).astype(dtype)
+    return (pairwise.positive_zero(piece) / w).astype(dtype)
 
 
 def piece_spec(plan: Any) -> P:

@@ -160,3 +160,11 @@ def test_large_totals_divided_as_pieces_then_gathered_give_one_devices_bits(
     assert unsplit.testing.bits_equal(got, reference)
     assert got[1]["w1"].dtype == jnp.dtype(dtype)
     assert got[1]["w1"].sharding.is_equivalent_to(params["w1"].sharding, 2)
+
+
+def test_a_piece_is_divided_with_its_zeros_written_plus_zero():
+    # As the unpack writes every total's: a total of one chunk sum never met the tree's adds.
+    piece = jnp.array([-0.0, 0.0, -3.0, 5.0], jnp.float32)
+    out = np.asarray(jax.jit(scatter.divided, static_argnums=2)(piece, jnp.float32(2), jnp.float32))
+    np.testing.assert_array_equal(out, [0.0, 0.0, -1.5, 2.5])
+    assert not np.signbit(out[:2]).any()
