@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from unsplit._src import keys as keys_lib
 from unsplit._src import partition
 from unsplit._src.bitwise import programs
+from unsplit._src.bitwise.combine.pairwise import positive_zero
 from unsplit._src.bitwise.plan import Plan
 from unsplit._src.step import coupled, sums
 
@@ -145,7 +146,8 @@ def finish_program(plan: Plan, grad_shardings):
     )
 
     def finish(totals, direct):
-        grads = split(*(t + d for t, d in zip(totals, direct, strict=True)))
+        # Zeros written +0, as the unpack writes every total's (pairwise's docstring).
+        grads = split(*(positive_zero(t + d) for t, d in zip(totals, direct, strict=True)))
         grads = [g.astype(d) for g, d in zip(grads, dtypes, strict=True)]
         return structure.grads_tree(grads)
 

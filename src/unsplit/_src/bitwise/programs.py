@@ -277,8 +277,8 @@ def row_concat(sharding):
 
 @jax.jit
 def add_blocks(left, right):
-    """Two blocks' packed sums, left + right (elementwise: exactly rounded anywhere; a zero
-    written ``+0``: :func:`~unsplit._src.bitwise.combine.pairwise.add`)."""
+    """Two blocks' packed sums, left + right (elementwise: exactly rounded anywhere; a zero's
+    sign as it comes: :func:`~unsplit._src.bitwise.combine.pairwise.add`)."""
     return [pairwise.add(a, b) for a, b in zip(left, right, strict=True)]
 
 
@@ -348,8 +348,8 @@ def unpack_program(plan: Plan, grad_shardings, loss_sharding, layouts: tuple[str
     def unpack(vectors):  # the grads pytree (None for non-float leaves), built by jit
         loss_sum, weight, grads = split(*vectors)
         grads = list(grads)
-        # The totals' zeros written +0 (fused into the division): a total of one chunk sum
-        # never met the tree's adds, which write every other sum's so.
+        # The totals' zeros written +0 (fused into the division): the paths' totals differ in
+        # their zeros' signs alone (pairwise's docstring).
         loss, divided = sums.normalize(
             pairwise.positive_zero(loss_sum),
             weight,

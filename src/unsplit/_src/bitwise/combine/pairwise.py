@@ -14,17 +14,19 @@ take about what the ``psum`` takes).
 Two things are not left to the collective's implementation:
 
 * **signed zeros**: an implementation that accumulates into a zero buffer gives
-  ``+0`` for ``-0 + -0`` (XLA:CPU's does), where a compiled add gives ``-0``. So
-  every sum of the tree is written with its zeros positive, on every path: each
-  add of blocks (:func:`add`), each level of :func:`reduce_scatter`, and the
-  total before its division (the unpack: a total of one chunk never met an add).
-  The chunk programs' sums enter as computed: a ``-0`` or a subnormal there is an
-  operand, and the add (which flushes subnormals on XLA:CPU, in its collectives
-  too) or the collective seen to add like it writes the sum;
+  ``+0`` for ``-0 + -0`` (XLA:CPU's does), where a compiled add gives ``-0``. A
+  zero's sign never changes a sum that is not zero (``x + -0 == x + +0 == x``),
+  so the paths' totals can differ in their zeros' signs alone, and the total's
+  zeros are written ``+0`` where it is divided (the unpack, fused into the
+  division; the coupled step's finish): one pass folded into another, where
+  writing every level's sums ``+0`` was a pass over each. The chunk programs'
+  sums enter as computed (a ``-0`` or a subnormal is an operand; XLA:CPU's adds
+  flush subnormals, in its collectives too);
 * **the add itself**: :func:`exact` runs the pairwise reduce-scatter beside
   explicit adds on the same devices, on inputs drawn from a fixed seed (normal
   values, subnormals, signed zeros, large and small magnitudes), once per mesh and
   dtype, and the combine takes this path only if every element's bits agree
+  (zeros compared as ``+0``)
   (the verdict is an integer ``psum`` over every device, exact, so every
   process decides alike). It is evidence on those inputs, not a proof.
 
@@ -75,7 +77,6 @@ def reduce_scatter(x: jax.Array, axes: Any, groups: int) -> jax.Array:
         x = jax.lax.psum_scatter(
             x, axes, scatter_dimension=0, tiled=True, axis_index_groups=pairs(groups, level)
         )
-        x = positive_zero(x)  # as :func:`add` writes every sum of the tree
     return x
 
 
@@ -102,10 +103,9 @@ def positive_zeros(arrays: list[Any]) -> list[Any]:
 
 
 def add(a: Any, b: Any) -> Any:
-    """The canonical tree's add: ``a + b``, a zero result written ``+0`` (a flushed
-    subnormal keeps its sign: ``-0``; two of them added by a collective that starts from a
-    zero buffer give ``+0``)."""
-    return positive_zero(a + b)
+    """The canonical tree's add: ``a + b`` (a zero's sign left as it comes: see the module's
+    docstring; the total's zeros are written ``+0`` before its division)."""
+    return a + b
 
 
 @functools.cache
@@ -123,6 +123,7 @@ def _verdict(devices: tuple, shape: tuple, names: tuple, leading: int, dtype: An
         want = reduce.combine({(g, 1): parts[g] for g in range(groups)}, groups, add)
         bits = jax.lax.bitcast_convert_type
         width = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
+        got, want = positive_zero(got), positive_zero(want)  # as the unpack writes totals
         differ = jnp.sum(bits(got, width) != bits(want, width), dtype=jnp.int32)
         return jax.lax.psum(differ, names)[None]  # integers: exact in any order
 

@@ -20,7 +20,7 @@ def _mesh(shape, names):
 def _values(devices, size, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(devices, size)).astype(np.float32) * 10.0 ** rng.integers(-3, 4, size)
-    x[:, :16] = np.float32(0.0)  # +0: jnp.add's tree below keeps a -0 that the tree's add writes +0
+    x[:, :16] = np.float32(0.0)  # +0: a collective may add -0 + -0 into +0 (a zero buffer)
     return x
 
 
@@ -114,11 +114,19 @@ def test_positive_zeros_changes_only_values_equal_to_zero():
     np.testing.assert_array_equal(np.asarray(ints), [-3, 0, 4])
 
 
-def test_the_tree_add_writes_flushed_negative_results_as_positive_zero():
-    a = jnp.array([1.5e-38, -1.5e-38, -0.0], jnp.float32)
-    b = jnp.array([-1.4e-38, 1.4e-38, -0.0], jnp.float32)
-    out = np.asarray(jax.jit(pairwise.add)(a, b))
-    assert not np.signbit(out).any()  # -1e-39 flushed, -0 + -0: both +0
+def test_a_zeros_sign_never_changes_a_sum_that_is_not_zero():
+    """Why the tree's adds leave zeros' signs as they come: paths that write -0 + -0
+    differently (a collective into a zero buffer) give totals that differ in zeros alone,
+    which the unpack writes +0."""
+    x = jnp.array([1.5, -2.0, 3e-38, -3e-38, jnp.inf, -jnp.inf, 7.0], jnp.float32)
+    add = jax.jit(pairwise.add)
+    for zero in (0.0, -0.0):
+        out = np.asarray(add(x, jnp.full_like(x, zero)))
+        np.testing.assert_array_equal(out.view(np.uint32), np.asarray(x).view(np.uint32))
+    # Zero sums keep a sign that depends on the operands: -0 + -0 is -0 here.
+    zeros = np.asarray(add(jnp.array([-0.0, -0.0, 0.0]), jnp.array([-0.0, 0.0, -0.0])))
+    assert list(np.signbit(zeros)) == [True, False, False]
+    assert not np.signbit(np.asarray(jax.jit(pairwise.positive_zero)(zeros))).any()
 
 
 def _loss(params, x, key):
@@ -158,9 +166,9 @@ def test_a_step_by_pairs_gives_the_bits_of_the_general_combine_and_of_one_device
 
 @pytest.mark.parametrize("chunk_size", [16, 2])
 def test_grads_of_exactly_minus_zero_come_out_plus_zero_at_every_chunk_count(chunk_size):
-    """The chunk programs' sums enter the tree as computed; every add writes its zeros +0 and
-    the unpack the total's (one chunk in all meets no add): the sign never depends on how
-    many adds ran. Negative control: ``jax.grad`` gives these grads as -0."""
+    """The chunk programs' sums enter the tree as computed and the unpack writes the total's
+    zeros +0 (one chunk in all meets no add): the sign never depends on how many adds ran
+    or which path ran them. Negative control: ``jax.grad`` gives these grads as -0."""
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(12, 3)), jnp.float32), "b": jnp.ones(16)}
     x = jnp.asarray(rng.normal(size=(16, 12)), jnp.float32)

@@ -163,7 +163,7 @@ def test_large_totals_divided_as_pieces_then_gathered_give_one_devices_bits(
 
 
 def test_a_piece_is_divided_with_its_zeros_written_plus_zero():
-    # As the unpack writes every total's: a total of one chunk sum never met the tree's adds.
+    # As the unpack writes every total's: the paths' totals may differ in zeros' signs alone.
     piece = jnp.array([-0.0, 0.0, -3.0, 5.0], jnp.float32)
     out = np.asarray(jax.jit(scatter.divided, static_argnums=2)(piece, jnp.float32(2), jnp.float32))
     np.testing.assert_array_equal(out, [0.0, 0.0, -1.5, 2.5])
