@@ -235,13 +235,22 @@ def update_sizes(quick: bool) -> tuple[int, int, int]:
     return sizes(True) if quick else (1024, 8, 32)
 
 
+def sharded_like(opt_state, params, mesh: Mesh):
+    """The optimizer state as FSDP holds it: each leaf shaped like a param with that param's
+    sharding, the rest replicated. (``jax.jit(optimizer.init)`` left AdamW's moments
+    replicated here: every device then updated the whole moments, in both modes.)"""
+    by_shape = {p.shape: p.sharding for p in jax.tree.leaves(params)}
+    replicated = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: jax.device_put(x, by_shape.get(x.shape, replicated)), opt_state)
+
+
 def grouped_train(mesh: Mesh, xla: bool, quick: bool, mode: str = FSDP):
     """A ``chunk_axes`` train step (clip + AdamW) after one call, its update made with XLA's
     in-group sums or unsplit's (``mode="default"``: default mode's train step, one jitted
     program, at the same layout); returns a zero-argument step that carries its own state."""
     params, x = inputs(mesh, quick, update_sizes(quick))
     optimizer = clipped_adamw()
-    state = {"params": params, "opt": jax.jit(optimizer.init)(params)}
+    state = {"params": params, "opt": sharded_like(jax.jit(optimizer.init)(params), params, mesh)}
     key = jax.random.key(2)
     train = unsplit.train_step(step_for(mode, mesh), optimizer)
 
