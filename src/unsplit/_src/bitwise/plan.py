@@ -103,8 +103,8 @@ class Plan:
 
     def pack_sums(self, parts: Sequence[Any]) -> list[Any]:
         """A chunk's ``(grads..., loss_sum, weight)`` as the sums' flat vectors, as computed
-        (signed zeros and all: every add of the canonical tree writes its zeros ``+0``, and the
-        unpack writes the total's, :mod:`~unsplit._src.bitwise.combine.pairwise`)."""
+        (signed zeros and all: the paths' totals differ in their zeros' signs alone, which the
+        unpack writes ``+0``: :mod:`~unsplit._src.bitwise.combine.pairwise`)."""
         return self.sums_flat.pack(list(parts))
 
     def blocks(self, g: int) -> list[reduce.Block]:
