@@ -46,6 +46,8 @@ class CoupledRunner(Runner):
             lambda: coupled.finish_program(plan, self.grad_shardings),
         )
         self.stages: dict[str, Any] = {}
+        # Its passes' programs take the flat vectors (an FSDP group's gather inside each).
+        self.whole_params = dict.fromkeys(self.local_groups)
 
     def _run(self, params, batch, key, ids):
         plan = self.plan

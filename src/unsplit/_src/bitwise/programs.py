@@ -128,20 +128,29 @@ class GroupIO:
         others = tuple(a for a in self.plan.group_axes if a not in self.plan.chunk_axes)
         return bitwise_plan.retargeted(spec, layout, others)
 
-    def sums(self, fn, vectors, rows, key):
+    def sums(self, fn, vectors, rows, key, whole=False):
         """``fn(params, rows, key) -> (grads, loss_sum, weight, aux)`` of one chunk as packed
         sums (each device its blocks) and its aux: model-parallel groups by the canonical-block
-        rewrite, FSDP groups per device on its rows (their sums added in a fixed order)."""
+        rewrite, FSDP groups per device on its rows (their sums added in a fixed order).
+
+        ``vectors``: the params as flat vectors, or (``whole``, FSDP groups) their array
+        leaves whole over the chunk axes, from :meth:`whole_params`."""
         if self.plan.model_axes and not self.plan.chunk_axes and blocked_chunk.ENABLED:
             assert self.gmesh is not None  # model axes are group axes
             return blocked_chunk.chunk_sums(
                 self.plan, self.gmesh, fn, vectors, rows, key, self.plan.canonical_blocks
             )
-        arrays = self.unpack(vectors)
+        arrays = vectors if whole else self.unpack(vectors)
         if self.reducer is not None:
-            return self.reducer.chunk_sums(fn, arrays, rows, key)
+            return self.reducer.chunk_sums(fn, arrays, rows, key, whole=whole)
         grads, loss_sum, weight, aux = fn(arrays, self.rows(rows), key)
         return self.pack_sums(grads, loss_sum, weight), self.aux(aux)
+
+    def whole_params(self, vectors) -> list:
+        """An FSDP group's params (flat vectors, each device its blocks) as array leaves whole
+        over the chunk axes (exact all-gathers): what its chunk programs compute with."""
+        assert self.reducer is not None  # FSDP groups only
+        return self.reducer.gather_params(self.unpack(vectors))
 
     def unpack(self, vectors) -> list:
         """The params' array leaves (each device its local blocks) from the flat vectors and
@@ -214,10 +223,22 @@ def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
         )
         return grads, loss_sum, weight, aux
 
+    # FSDP groups' chunk programs take the params whole over the chunk axes, gathered once
+    # per step by whole_params_program (not once per chunk).
+    whole = io.reducer is not None
+
     def run(vectors, chunk, hi, lo, key):
-        return io.sums(compute, vectors, (chunk, hi, lo), key)
+        return io.sums(compute, vectors, (chunk, hi, lo), key, whole=whole)
 
     return run
+
+
+def whole_params_program(plan: Plan, group: int):
+    """Group ``group``'s params whole over its chunk axes, for all of its chunk programs (an
+    FSDP group in fixed order: one all-gather of the params per step, not one per chunk;
+    exact data movement), or ``None`` (other groups' chunk programs take the flat vectors)."""
+    io = GroupIO(plan, group)
+    return None if io.reducer is None else jax.jit(io.whole_params)
 
 
 # Chunk programs on CPU get canonical dots (their bits then do not depend on the process's

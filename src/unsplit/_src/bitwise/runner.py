@@ -48,6 +48,7 @@ class Runner:
             if any(d.process_index == me for d in plan.group_devices(g).flat)
         ]
         self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
+        self.whole_params = {g: programs.whole_params_program(plan, g) for g in self.local_groups}
         self.executables: dict[int, Any] = {}
         gentry = partition.entry(plan.group_axes)
         self.slots_sharding = NamedSharding(plan.compute, combine.slots_spec(plan))
@@ -124,11 +125,14 @@ class Runner:
 
     def _inputs(self, params, batch, ids, key) -> dict:
         """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices
-        (:class:`~.placement.GroupInputs`); a group of one chunk is not split."""
+        (:class:`~.placement.GroupInputs`); a group of one chunk is not split. An FSDP
+        group's params come whole over its chunk axes (:func:`.programs.whole_params_program`)."""
         plan = self.plan
         inputs = {}
         placed = self.placed(self.pack(params), params, batch, ids, key, self.executables)
         for g, (vectors, group_rows, group_key) in placed.items():
+            if self.whole_params[g] is not None:  # FSDP groups: gathered once for every chunk
+                vectors = self.whole_params[g](vectors)
             if plan.per_group == 1:  # the group's rows are its one chunk (placed as a chunk's)
                 chunks = [group_rows]
             elif plan.chunk_axes:

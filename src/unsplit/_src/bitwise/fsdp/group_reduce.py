@@ -94,17 +94,34 @@ class GroupReduce:
     def _names_chunk(self, spec: P) -> bool:
         return bool(partition.spec_axes(spec) & set(self.chunk))
 
-    def gathered_map(self, fn, arrays, rows, key, out_specs, rows_spec=None):
+    def gather_params(self, arrays) -> list:
+        """The params' array leaves (each device its block) whole over the chunk axes (exact
+        all-gathers; the group's other axes stay as they are): what :meth:`chunk_sums`
+        takes with ``whole=True``, gathered once for all of a group's chunks."""
+        chunk = self.chunk
+        return jax.shard_map(
+            lambda xs: [gather(x, s, chunk) for x, s in zip(xs, self.chunk_specs, strict=True)],
+            mesh=self.gmesh,
+            in_specs=(list(self.chunk_specs),),
+            out_specs=[P()] * len(self.chunk_specs),
+            axis_names=set(chunk),
+            check_vma=False,
+        )(list(arrays))
+
+    def gathered_map(self, fn, arrays, rows, key, out_specs, rows_spec=None, whole=False):
         """``fn(params, rows, key)`` per device: params whole over the chunk axes, its rows.
 
         ``arrays`` are the params' array leaves on the group mesh (each device its
-        block), ``rows`` split over the chunk axes (or as ``rows_spec`` says);
-        ``out_specs`` over the chunk axes only (the group's other axes stay XLA's,
-        inside the region).
+        block; ``whole``: already whole over the chunk axes, from :meth:`gather_params`),
+        ``rows`` split over the chunk axes (or as ``rows_spec`` says); ``out_specs``
+        over the chunk axes only (the group's other axes stay XLA's, inside the region).
         """
         chunk = self.chunk
+        specs = [P()] * len(self.chunk_specs) if whole else list(self.chunk_specs)
 
         def local(arrays, rows, key):
+            if whole:
+                return fn(arrays, rows, key)
             full = [gather(x, s, chunk) for x, s in zip(arrays, self.chunk_specs, strict=True)]
             return fn(full, rows, key)
 
@@ -112,7 +129,7 @@ class GroupReduce:
             local,
             mesh=self.gmesh,
             in_specs=(
-                list(self.chunk_specs),
+                specs,
                 P(self.centry) if rows_spec is None else rows_spec,
                 P(),
             ),
@@ -134,13 +151,14 @@ class GroupReduce:
         count = values.block_count(self.plan.chunk, self.plan.canonical_blocks)
         return count // self.size if count % self.size == 0 else 1
 
-    def chunk_sums(self, fn, arrays, rows, key):
+    def chunk_sums(self, fn, arrays, rows, key, whole=False):
         """A chunk's packed sums (each device its blocks) and its aux (rows split).
 
         ``fn(params, rows, key) -> (grads, loss_sum, weight, aux)`` computes one
-        device's rows with the params whole over the chunk axes, one canonical row
-        block at a time (:meth:`row_blocks`, fenced from each other), their sums added
-        in the canonical tree.
+        device's rows with the params whole over the chunk axes (``arrays`` gathered
+        here, or already whole: ``whole``), one canonical row block at a time
+        (:meth:`row_blocks`, fenced from each other), their sums added in the
+        canonical tree.
         """
         count = self.row_blocks()
         canonical = rewrite.explicit_sums(fn)
@@ -162,8 +180,9 @@ class GroupReduce:
 
         each = P(self.centry)
         grads, loss_sum, weight, aux = self.gathered_map(
-            partial, arrays, rows, key, ([each] * len(self.diff_specs), each, each, each)
-        )
+            partial, arrays, rows, key, ([each] * len(self.diff_specs), each, each, each),
+            whole=whole,
+        )  # fmt: skip
         return self.reduce_scatter(grads, loss_sum, weight), aux
 
     def reduce_scatter(self, grads, loss_sum, weight) -> list:
