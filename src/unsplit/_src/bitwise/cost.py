@@ -11,11 +11,13 @@ group, combine, unpack), so its per-device memory is the peak they hold together
   sums are added as soon as their sibling is there, so a group of ``c`` chunks holds
   at most ``floor(log2 c) + 1`` of them;
 * on top, the largest of: a chunk program's other arguments (one chunk of rows, the
-  key, the ids) and its temp; the combine program (its inputs, outputs and temp); the
-  unpack program (likewise).
+  key, the ids; an FSDP group's: the params gathered whole over its chunk axes too,
+  once per step for all its chunks) and its temp; the combine program (its inputs,
+  outputs and temp); the unpack program (likewise).
 
 Bytes sent are counted from the programs' HLO as ring algorithms send them
-(:func:`unsplit.testing.bytes_sent`): the pack, a group's chunk programs and the combine.
+(:func:`unsplit.testing.bytes_sent`): the pack, a group's chunk programs (and an FSDP
+group's one gather of its params) and the combine.
 
 Example:
     >>> import jax, jax.numpy as jnp, unsplit, unsplit.testing
@@ -62,8 +64,8 @@ class BitwiseCost:
         program_peak_bytes: the largest of a chunk program's rows, key, ids and temp,
             the combine program's and the unpack program's memory (or, where the step
             runs them as one program, that program's).
-        bytes_sent_per_device: what the pack, a group's chunk programs and the combine
-            send per device per step (ring accounting).
+        bytes_sent_per_device: what the pack, a group's chunk programs (an FSDP group's
+            gather of its params) and the combine send per device per step (ring accounting).
         combine_vs_ring: the combine's bytes over a ring all-reduce's of the same sums
             (``2 (G - 1) / G`` of them; 1.0 with one group, which sends nothing); below 1
             where the grads of params sharded over the batch axes stay in their shards
@@ -210,7 +212,11 @@ def _cost(state: Any, params: Any) -> BitwiseCost:
     chunks = list(state.executables.values())
     chunk = max(chunks, key=_memory).memory_analysis()
     sums = chunk.output_size_in_bytes
-    chunk_rest = chunk.argument_size_in_bytes - packed - direct + chunk.temp_size_in_bytes
+    # An FSDP group's chunk programs take the params gathered whole over its chunk axes (one
+    # buffer, made once per step, held through the group's chunks), not the flat params.
+    gathers = state.whole_params[state.local_groups[0]] is not None
+    own = 0 if gathers else packed + direct
+    chunk_rest = chunk.argument_size_in_bytes - own + chunk.temp_size_in_bytes
     if state.fused is not None:  # the step runs the combine and the unpack as one program
         combine = state.fused.lower(*state.combine_slots()).compile()
         finish = _memory(combine)
@@ -224,6 +230,8 @@ def _cost(state: Any, params: Any) -> BitwiseCost:
     sent = traffic.bytes_sent(state.pack.lower(params).compile())
     chunk_sent = traffic.bytes_sent(chunk_text)
     sent += plan.per_group * chunk_sent + combine_bytes
+    if gathers:  # an FSDP group's params gathered once per step
+        sent += max(traffic.bytes_sent(g) for g in state.gathers.values())
     sums_total = sum(
         n * np.dtype(d).itemsize
         for n, d in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)

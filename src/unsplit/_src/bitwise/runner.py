@@ -49,6 +49,7 @@ class Runner:
         ]
         self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
         self.whole_params = {g: programs.whole_params_program(plan, g) for g in self.local_groups}
+        self.gathers: dict[int, Any] = {}  # their compiled programs (cost: their bytes sent)
         self.executables: dict[int, Any] = {}
         gentry = partition.entry(plan.group_axes)
         self.slots_sharding = NamedSharding(plan.compute, combine.slots_spec(plan))
@@ -132,7 +133,9 @@ class Runner:
         placed = self.placed(self.pack(params), params, batch, ids, key, self.executables)
         for g, (vectors, group_rows, group_key) in placed.items():
             if self.whole_params[g] is not None:  # FSDP groups: gathered once for every chunk
-                vectors = self.whole_params[g](vectors)
+                if g not in self.gathers:
+                    self.gathers[g] = self.whole_params[g].lower(vectors).compile()
+                vectors = self.gathers[g](vectors)
             if plan.per_group == 1:  # the group's rows are its one chunk (placed as a chunk's)
                 chunks = [group_rows]
             elif plan.chunk_axes:

@@ -105,6 +105,34 @@ def test_an_fsdp_groups_chunk_program_has_no_float_reduction_across_its_devices(
     assert " all-to-all(" not in text
 
 
+def test_a_groups_params_are_gathered_once_per_step_for_all_of_its_chunks(monkeypatch):
+    # 2 groups of 4 devices, 16 rows each: 2 chunks of 8 rows per group, one gather each.
+    mesh = mesh_of(2, 4)
+    expected, step, (params, frozen, batch) = run(mesh, "fsdp", 8)
+    (state,) = step._engine._plans.values()
+    assert sorted(state.gathers) == [0, 1] and state.plan.per_group == 2
+    # The chunk program takes w1 whole over the group (16 x 24 on each device), gathers none.
+    text = chunk_hlo(step, params, frozen, batch)
+    assert "f32[16,24]{1,0} parameter(" in text and "f32[4,24]{1,0} parameter(" not in text
+    events = []
+
+    def counted(kind, fn):
+        def call(*args):
+            events.append(kind)
+            return fn(*args)
+
+        return call
+
+    for g in (0, 1):
+        monkeypatch.setitem(state.gathers, g, counted(f"gather {g}", state.gathers[g]))
+        monkeypatch.setitem(state.executables, g, counted(f"chunk {g}", state.executables[g]))
+    again = step(params, batch, KEY, frozen=frozen)
+    assert unsplit.testing.bits_equal(again, expected)
+    assert events.count("gather 0") == events.count("gather 1") == 1
+    assert events.count("chunk 0") == events.count("chunk 1") == 2
+    assert events.index("gather 0") < events.index("chunk 0")
+
+
 def test_a_group_of_g_gives_the_bits_of_one_device_groups_with_chunks_of_c_over_g():
     grouped, _, _ = run(mesh_of(2, 4), "fsdp", 8)  # 4 groups of 4 devices: 2 rows each
     alone, _, _ = run(mesh_of(2, 4), None, 2)  # 8 one-device groups, chunks of 2 rows
