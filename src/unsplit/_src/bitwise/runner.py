@@ -104,6 +104,8 @@ class Runner:
 
         def chunk_sums(g):  # every call is asynchronous: the groups run at once
             group_vectors, chunks, group_key = inputs[g]
+            # An FSDP group's params, gathered here: held from its first chunk to its last.
+            group_vectors = self._whole(g, group_vectors)
             for chunk in chunks:
                 sums, aux = self.executables[g](group_vectors, *chunk, group_key)
                 aux_parts[g].append(aux)
@@ -126,16 +128,11 @@ class Runner:
 
     def _inputs(self, params, batch, ids, key) -> dict:
         """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices
-        (:class:`~.placement.GroupInputs`); a group of one chunk is not split. An FSDP
-        group's params come whole over its chunk axes (:func:`.programs.whole_params_program`)."""
+        (:class:`~.placement.GroupInputs`); a group of one chunk is not split."""
         plan = self.plan
         inputs = {}
         placed = self.placed(self.pack(params), params, batch, ids, key, self.executables)
         for g, (vectors, group_rows, group_key) in placed.items():
-            if self.whole_params[g] is not None:  # FSDP groups: gathered once for every chunk
-                if g not in self.gathers:
-                    self.gathers[g] = self.whole_params[g].lower(vectors).compile()
-                vectors = self.gathers[g](vectors)
             if plan.per_group == 1:  # the group's rows are its one chunk (placed as a chunk's)
                 chunks = [group_rows]
             elif plan.chunk_axes:
@@ -205,9 +202,30 @@ class Runner:
             self.shared, self.plan, self.owner.spec, self.local_groups, fns, args, tag
         )
 
+    def _whole(self, g: int, vectors) -> Any:
+        """Group ``g``'s chunk programs' params: an FSDP group's whole over its chunk axes
+        (:func:`.programs.whole_params_program`, once a step for all its chunks), else
+        ``vectors``."""
+        if self.whole_params[g] is None:
+            return vectors
+        if g not in self.gathers:
+            self.gathers[g] = self.whole_params[g].lower(vectors).compile()
+        return self.gathers[g](vectors)
+
+    def _whole_like(self, g: int, vectors) -> Any:
+        """What :meth:`_whole` returns, as shapes and shardings (compiles no chunk program's
+        input: the first call's compiles do not hold the gathered params)."""
+        if self.whole_params[g] is None:
+            return vectors
+        if g not in self.gathers:
+            self.gathers[g] = self.whole_params[g].lower(vectors).compile()
+        return self.gathers[g].out_info
+
     def _compile(self, inputs) -> None:
         """Compiles the chunk program for the local groups (see :meth:`_compiled`)."""
-        args = {g: (v, *chunks[0], k) for g, (v, chunks, k) in inputs.items()}
+        args = {
+            g: (self._whole_like(g, v), *chunks[0], k) for g, (v, chunks, k) in inputs.items()
+        }
         self.executables.update(self._compiled(self.chunk_fns, args, "sums"))
 
     def _aux(self, outputs):

@@ -12,12 +12,16 @@ the implementation allocates or sends, per device, as
 * params held, and the flat params the chunk program reads: ``4P / (F·M)`` each;
 * partial sums: ``_held_sums`` (the canonical tree's most live chunk sums, the
   same function ``bitwise_cost`` uses) times one device's sums, ``4P / (F·M)``;
+* the params gathered whole over ``fsdp`` for the group's chunk programs (once a
+  step, let go before the combine): ``4P / M``;
 * the combine: its stacked blocks, the pieces the ``all_to_all`` brings and the
   total, about ``3 · 4P / (F·M)`` for a group whose chunks are one aligned block;
+  the step's peak holds the larger of it and the gathered params;
 * ``train_step``'s Adam update on each group's shards: ``16P / (F·M)``;
-* bytes sent: per chunk, the group's all-gather of the params over ``fsdp`` and
-  reduce-scatter of the grads (``2 · 4P/M · (F−1)/F``), times the group's chunks;
-  the combine, a ring all-reduce's ``2 · 4P/(F·M) · (D−1)/D``.
+* bytes sent: the group's all-gather of the params over ``fsdp``, once a step
+  (``4P/M · (F−1)/F``), and per chunk its reduce-scatter of the grads (the same
+  bytes), times the group's chunks; the combine, a ring all-reduce's
+  ``2 · 4P/(F·M) · (D−1)/D``.
 
 Activations (one chunk's, split over ``fsdp`` rows and ``seq`` positions) and the
 tensor- and sequence-parallel collectives on them depend on the model, not on
@@ -26,7 +30,7 @@ tensor- and sequence-parallel collectives on them depend on the model, not on
 Example:
     >>> row = bitwise_step(7e9, Layout(data=4, fsdp=4, seq=2, model=8), chunks=32)
     >>> round(row["params"] / 1e9, 3), round(row["sent"] / 1e9, 1)
-    (0.875, 43.3)
+    (0.875, 24.9)
 """
 
 from __future__ import annotations
@@ -63,11 +67,13 @@ def bitwise_step(params: float, layout: Layout, chunks: int) -> dict[str, float]
     partial = _held_sums(0, per_group) * shard
     combine = 3 * shard
     f, d = layout.fsdp, layout.data
-    inside = per_group * 2 * F32 * params / layout.model * (f - 1) / f
+    inside = (1 + per_group) * F32 * params / layout.model * (f - 1) / f  # 1 gather, c scatters
     across = 2 * shard * (d - 1) / d
+    gathered = F32 * params / layout.model
     return {
         "params": shard,
-        "step": shard + shard + partial + combine,
+        "gathered": gathered,
+        "step": shard + shard + partial + max(gathered, combine),
         "update": 4 * shard,
         "sent": inside + across,
     }
@@ -111,7 +117,8 @@ def table() -> str:
     """The markdown table the Bitwise mode guide quotes (``python -m unsplit._src.bitwise.scale``)."""
     head = (
         "| model | devices | (data, fsdp, seq, model); group | params held | bitwise step "
-        "(params + flat + partial sums + combine) / default (params + grads) | Adam update "
+        "(params + flat + partial sums + the larger of the params gathered over fsdp and the "
+        "combine) / default (params + grads) | Adam update "
         "(both) | bytes sent per device per step, bitwise / default |\n"
         "|---|---|---|---|---|---|---|\n"
     )

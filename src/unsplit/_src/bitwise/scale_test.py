@@ -43,7 +43,10 @@ def test_the_formulas_match_bitwise_cost(sizes):
     expected = scale.bitwise_step(count, layout, chunks=16 // 2)
     assert cost.params_bytes == expected["params"]
     assert cost.flat_params_bytes == expected["params"]
-    held = expected["step"] - 2 * expected["params"] - 3 * expected["params"]
+    # The chunk programs take the params gathered whole over fsdp (sharded over model).
+    assert cost.program_peak_bytes >= expected["gathered"]
+    peak = max(expected["gathered"], 3 * expected["params"])
+    held = expected["step"] - 2 * expected["params"] - peak
     # The sums carry the loss and weight too (8 bytes per chunk sum).
     assert held <= cost.partial_sums_bytes <= held * 1.02
 
