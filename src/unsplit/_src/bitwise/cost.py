@@ -214,7 +214,7 @@ def _cost(state: Any, params: Any) -> BitwiseCost:
     sums = chunk.output_size_in_bytes
     # An FSDP group's chunk programs take the params gathered whole over its chunk axes (one
     # buffer, made once per step, held through the group's chunks), not the flat params.
-    gathers = state.whole_params[state.local_groups[0]] is not None
+    gathers = state.chunk_params.gathers()
     own = 0 if gathers else packed + direct
     chunk_rest = chunk.argument_size_in_bytes - own + chunk.temp_size_in_bytes
     if state.fused is not None:  # the step runs the combine and the unpack as one program
@@ -231,7 +231,7 @@ def _cost(state: Any, params: Any) -> BitwiseCost:
     chunk_sent = traffic.bytes_sent(chunk_text)
     sent += plan.per_group * chunk_sent + combine_bytes
     if gathers:  # an FSDP group's params gathered once per step
-        sent += max(traffic.bytes_sent(g) for g in state.gathers.values())
+        sent += max(traffic.bytes_sent(g) for g in state.chunk_params.compiled.values())
     sums_total = sum(
         n * np.dtype(d).itemsize
         for n, d in zip(plan.sums_flat.lengths, plan.sums_flat.vectors, strict=True)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from unsplit._src import partition
 from unsplit._src.bitwise import cache, coupled, placement, programs
 from unsplit._src.bitwise.plan import Plan
-from unsplit._src.bitwise.runner import Runner
+from unsplit._src.bitwise.runner import ChunkParams, Runner
 
 
 class CoupledRunner(Runner):
@@ -47,7 +47,7 @@ class CoupledRunner(Runner):
         )
         self.stages: dict[str, Any] = {}
         # Its passes' programs take the flat vectors (an FSDP group's gather inside each).
-        self.whole_params = dict.fromkeys(self.local_groups)
+        self.chunk_params = ChunkParams(plan, self.local_groups, gather=False)
 
     def _run(self, params, batch, key, ids):
         plan = self.plan

@@ -48,8 +48,7 @@ class Runner:
             if any(d.process_index == me for d in plan.group_devices(g).flat)
         ]
         self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
-        self.whole_params = {g: programs.whole_params_program(plan, g) for g in self.local_groups}
-        self.gathers: dict[int, Any] = {}  # their compiled programs (cost: their bytes sent)
+        self.chunk_params = ChunkParams(plan, self.local_groups)
         self.executables: dict[int, Any] = {}
         gentry = partition.entry(plan.group_axes)
         self.slots_sharding = NamedSharding(plan.compute, combine.slots_spec(plan))
@@ -105,7 +104,7 @@ class Runner:
         def chunk_sums(g):  # every call is asynchronous: the groups run at once
             group_vectors, chunks, group_key = inputs[g]
             # An FSDP group's params, gathered here: held from its first chunk to its last.
-            group_vectors = self._whole(g, group_vectors)
+            group_vectors = self.chunk_params(g, group_vectors)
             for chunk in chunks:
                 sums, aux = self.executables[g](group_vectors, *chunk, group_key)
                 aux_parts[g].append(aux)
@@ -202,29 +201,10 @@ class Runner:
             self.shared, self.plan, self.owner.spec, self.local_groups, fns, args, tag
         )
 
-    def _whole(self, g: int, vectors) -> Any:
-        """Group ``g``'s chunk programs' params: an FSDP group's whole over its chunk axes
-        (:func:`.programs.whole_params_program`, once a step for all its chunks), else
-        ``vectors``."""
-        if self.whole_params[g] is None:
-            return vectors
-        if g not in self.gathers:
-            self.gathers[g] = self.whole_params[g].lower(vectors).compile()
-        return self.gathers[g](vectors)
-
-    def _whole_like(self, g: int, vectors) -> Any:
-        """What :meth:`_whole` returns, as shapes and shardings (compiles no chunk program's
-        input: the first call's compiles do not hold the gathered params)."""
-        if self.whole_params[g] is None:
-            return vectors
-        if g not in self.gathers:
-            self.gathers[g] = self.whole_params[g].lower(vectors).compile()
-        return self.gathers[g].out_info
-
     def _compile(self, inputs) -> None:
         """Compiles the chunk program for the local groups (see :meth:`_compiled`)."""
         args = {
-            g: (self._whole_like(g, v), *chunks[0], k) for g, (v, chunks, k) in inputs.items()
+            g: (self.chunk_params.like(g, v), *chunks[0], k) for g, (v, chunks, k) in inputs.items()
         }
         self.executables.update(self._compiled(self.chunk_fns, args, "sums"))
 
@@ -243,6 +223,38 @@ class Runner:
             )
 
         return jax.tree.map(assemble, *per_group)
+
+
+class ChunkParams:
+    """Each local group's chunk programs' params: an FSDP group's gathered whole over its chunk
+    axes (:func:`.programs.whole_params_program`, compiled on first use), once a step for all
+    of its chunks; other groups' flat vectors as they are (``gather=False``: every group's)."""
+
+    def __init__(self, plan: Plan, groups: list[int], gather: bool = True):
+        self.programs = {
+            g: programs.whole_params_program(plan, g) if gather else None for g in groups
+        }
+        self.compiled: dict[int, Any] = {}  # per FSDP group (bitwise_cost: their bytes sent)
+
+    def gathers(self) -> bool:
+        """Whether the groups' chunk programs take gathered params (FSDP groups)."""
+        return any(p is not None for p in self.programs.values())
+
+    def __call__(self, g: int, vectors) -> Any:
+        """Group ``g``'s chunk programs' params, from its flat vectors."""
+        return vectors if self.programs[g] is None else self._gather(g, vectors)(vectors)
+
+    def like(self, g: int, vectors) -> Any:
+        """What a call returns, as shapes and shardings (the first call compiles the chunk
+        programs without holding the gathered params)."""
+        return vectors if self.programs[g] is None else self._gather(g, vectors).out_info
+
+    def _gather(self, g: int, vectors) -> Any:
+        if g not in self.compiled:
+            program = self.programs[g]
+            assert program is not None  # an FSDP group's
+            self.compiled[g] = program.lower(vectors).compile()
+        return self.compiled[g]
 
 
 def _fused(runner: Runner):

@@ -8,9 +8,11 @@ one under ``jax.distributed`` (gloo) gave bits 1.6e-8 apart. Here the program is
 manual over the chunk axes (``jax.shard_map`` with ``axis_names``: model and
 sequence axes stay XLA's, inside the model's own partitioning):
 
-1. :meth:`GroupReduce.gathered_map`: every device all-gathers the params over the
-   chunk axes (exact data movement) and computes its own rows (its partial sums
-   of the chunk, full size over the chunk axes);
+1. :meth:`GroupReduce.gathered_map`: every device computes its own rows (its
+   partial sums of the chunk, full size over the chunk axes) with the params
+   all-gathered over the chunk axes (exact data movement): by
+   :meth:`GroupReduce.gather_params` once a step for all of a group's chunk
+   programs (the runner's), or inside the program (a coupled loss's passes);
 2. :meth:`GroupReduce.reduce_scatter`: each device cuts its partial sums into one
    piece per chunk-axes device (the block of a leaf sharded over them; a piece of
    the flat vector of the leaves that are not, and of the loss and weight), an

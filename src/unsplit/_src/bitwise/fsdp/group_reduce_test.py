@@ -110,7 +110,7 @@ def test_a_groups_params_are_gathered_once_per_step_for_all_of_its_chunks(monkey
     mesh = mesh_of(2, 4)
     expected, step, (params, frozen, batch) = run(mesh, "fsdp", 8)
     (state,) = step._engine._plans.values()
-    assert sorted(state.gathers) == [0, 1] and state.plan.per_group == 2
+    assert sorted(state.chunk_params.compiled) == [0, 1] and state.plan.per_group == 2
     # The chunk program takes w1 whole over the group (16 x 24 on each device), gathers none.
     text = chunk_hlo(step, params, frozen, batch)
     assert "f32[16,24]{1,0} parameter(" in text and "f32[4,24]{1,0} parameter(" not in text
@@ -124,7 +124,8 @@ def test_a_groups_params_are_gathered_once_per_step_for_all_of_its_chunks(monkey
         return call
 
     for g in (0, 1):
-        monkeypatch.setitem(state.gathers, g, counted(f"gather {g}", state.gathers[g]))
+        gather = state.chunk_params.compiled[g]
+        monkeypatch.setitem(state.chunk_params.compiled, g, counted(f"gather {g}", gather))
         monkeypatch.setitem(state.executables, g, counted(f"chunk {g}", state.executables[g]))
     again = step(params, batch, KEY, frozen=frozen)
     assert unsplit.testing.bits_equal(again, expected)
