@@ -15,6 +15,7 @@ into docs/benchmarks.md (marker ``degrees``).
 
     python benchmarks/degrees_bench.py           # full run, writes the table
     python benchmarks/degrees_bench.py --quick   # a smoke run (small MLP), no write
+    python benchmarks/degrees_bench.py --chunks  # only the cost against chunks per group
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import unsplit
 
 LAYOUTS = [("tensor parallel", d, m) for d, m in [(8, 1), (4, 2), (2, 4), (1, 8)]]
 OTHERS = [("replicated", 8, 1), ("FSDP over data", 8, 1)]
+BATCH = 64
+DEFAULT_CHUNK = 8  # bitwise mode's chunk size at batch 64 without `chunk_size`
 
 
 def loss_fn(params, x, key):
@@ -59,17 +62,17 @@ def inputs(kind: str, data: int, model: int, width: int, hidden: int):
     s = specs(kind)
     params = {k: jax.device_put(v, NamedSharding(mesh, s[k])) for k, v in host.items()}
     x = jax.device_put(
-        rng.normal(size=(64, width)).astype(np.float32), NamedSharding(mesh, P("data"))
+        rng.normal(size=(BATCH, width)).astype(np.float32), NamedSharding(mesh, P("data"))
     )
     return mesh, params, x
 
 
-def row(kind, data, model, width, hidden, repeats, reference, default_level=False):
+def row(kind, data, model, width, hidden, repeats, reference, default_level=False, chunk=None):
     mesh, params, x = inputs(kind, data, model, width, hidden)
     key = jax.random.key(0)
     steps = {
-        mode: unsplit.value_and_grad(loss_fn, mesh=mesh, bitwise=mode == "bitwise")
-        for mode in ("default", "bitwise")
+        "default": unsplit.value_and_grad(loss_fn, mesh=mesh),
+        "bitwise": unsplit.value_and_grad(loss_fn, mesh=mesh, bitwise=True, chunk_size=chunk),
     }
     with common.cpu_default_level(default_level):  # read when the programs compile
         out = jax.device_get(steps["bitwise"](params, x, key))
@@ -97,9 +100,43 @@ def row(kind, data, model, width, hidden, repeats, reference, default_level=Fals
     ]
 
 
+def chunks_table(width: int, hidden: int, repeats: int, write: bool) -> None:
+    """Each tensor-parallel layout at the default chunk (8 rows: the chunk every layout here
+    accepts, so their bits agree) and at one chunk per group (its rows per group: its bits
+    agree with every layout whose groups hold a multiple of them). Marker ``degrees-chunks``."""
+    rows = []
+    for kind, data, model in LAYOUTS:
+        per_group = BATCH // data
+        for chunk in sorted({DEFAULT_CHUNK, per_group}):
+            _, cells = row(kind, data, model, width, hidden, repeats, None, chunk=chunk)
+            rows.append(
+                [cells[1], str(per_group), str(chunk), str(per_group // chunk), *cells[2:5]]
+            )
+            print(" | ".join(rows[-1]), flush=True)
+    header = [
+        "(data, model)", "rows per group", "chunk size", "chunks per group", "default step",
+        "bitwise step", "bitwise / default (rounds)",
+    ]  # fmt: skip
+    common.print_table("bitwise mode's cost and the chunks per group", header, rows)
+    if write:
+        body = (
+            f"MLP {width} -> {hidden} -> {width} with dropout, batch {BATCH}, 8 devices, "
+            f"tensor parallel; median of {repeats} alternating rounds.\n\n"
+            + common.markdown_table(header, rows)
+        )
+        print("wrote", common.write_table("benchmarks.md", "degrees-chunks", body))
+
+
 def main() -> None:
-    args = common.bench_parser(__doc__).parse_args()
+    parser = common.bench_parser(__doc__)
+    parser.add_argument(
+        "--chunks", action="store_true", help="only the table of cost against chunks per group"
+    )
+    args = parser.parse_args()
     width, hidden, repeats = (64, 256, 2) if args.quick else (1024, 4096, 7)
+    if args.chunks:
+        chunks_table(width, hidden, repeats, common.should_write(args))
+        return
     rows, reference = [], None
     for kind, data, model in [LAYOUTS[1], LAYOUTS[0], *LAYOUTS[2:], *OTHERS]:
         out, cells = row(kind, data, model, width, hidden, repeats, reference)
