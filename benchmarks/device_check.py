@@ -77,7 +77,10 @@ PARTS = {
 }
 FIRST_BENCHES = ("dropout_bench.py", "attention_bench.py")
 # Benches that measure simulated CPU devices whatever the machine has: not an accelerator's.
-CPU_ONLY = {"agreement_bench.py": "it measures 2 processes of simulated CPU devices (gloo)"}
+CPU_ONLY = {
+    "agreement_bench.py": "it measures 2 processes of simulated CPU devices (gloo)",
+    "chunk_split_bench.py": "it measures what XLA:CPU makes of two chunks on 8 CPU devices",
+}
 RESERVE_S = 10  # for the report at the end
 MARKER = "device-check"
 
