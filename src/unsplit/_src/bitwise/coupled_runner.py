@@ -47,7 +47,7 @@ class CoupledRunner(Runner):
         )
         self.stages: dict[str, Any] = {}
         # Its passes' programs take the flat vectors (an FSDP group's gather inside each).
-        self.chunk_params = ChunkParams(plan, self.local_groups, gather=False)
+        self.chunk_params = ChunkParams(dict.fromkeys(self.local_groups))
 
     def _run(self, params, batch, key, ids):
         plan = self.plan

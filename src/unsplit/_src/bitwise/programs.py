@@ -210,7 +210,14 @@ class GroupIO:
 def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
     """One chunk's packed partial sums (and its aux), on group ``group``'s devices: the same
     program for every schedule (a loop over a group's chunks in one program got other bits
-    when the group's share changed); model-parallel groups': :mod:`.blocked.chunk`."""
+    when the group's share changed); model-parallel groups': :mod:`.blocked.chunk`.
+
+    Returns ``(run, gather)``: ``run(vectors, chunk, hi, lo, key)`` is the chunk's sums;
+    ``gather`` (jitted) takes an FSDP group's flat vectors to its params whole over its chunk
+    axes, which ``run`` then takes for ``vectors``: one all-gather of the params per step for
+    all of the group's chunks, not one per chunk (exact data movement). ``None`` for other
+    groups: ``run`` takes the flat vectors.
+    """
     io = GroupIO(plan, group)
     # The loss's shardings name the user's mesh: moved onto the group's (step/constraints).
     spec = io.retargeted(spec)
@@ -223,22 +230,12 @@ def chunk_program(plan: Plan, spec: sums.LossSpec, group: int):
         )
         return grads, loss_sum, weight, aux
 
-    # FSDP groups' chunk programs take the params whole over the chunk axes, gathered once
-    # per step by whole_params_program (not once per chunk).
     whole = io.reducer is not None
 
     def run(vectors, chunk, hi, lo, key):
         return io.sums(compute, vectors, (chunk, hi, lo), key, whole=whole)
 
-    return run
-
-
-def whole_params_program(plan: Plan, group: int):
-    """Group ``group``'s params whole over its chunk axes, for all of its chunk programs (an
-    FSDP group in fixed order: one all-gather of the params per step, not one per chunk;
-    exact data movement), or ``None`` (other groups' chunk programs take the flat vectors)."""
-    io = GroupIO(plan, group)
-    return None if io.reducer is None else jax.jit(io.whole_params)
+    return run, (jax.jit(io.whole_params) if whole else None)
 
 
 # Chunk programs on CPU get canonical dots (their bits then do not depend on the process's

@@ -47,8 +47,9 @@ class Runner:
             for g in range(plan.groups)
             if any(d.process_index == me for d in plan.group_devices(g).flat)
         ]
-        self.chunk_fns = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
-        self.chunk_params = ChunkParams(plan, self.local_groups)
+        built = {g: programs.chunk_program(plan, owner.spec, g) for g in self.local_groups}
+        self.chunk_fns = {g: run for g, (run, _) in built.items()}
+        self.chunk_params = ChunkParams({g: gather for g, (_, gather) in built.items()})
         self.executables: dict[int, Any] = {}
         gentry = partition.entry(plan.group_axes)
         self.slots_sharding = NamedSharding(plan.compute, combine.slots_spec(plan))
@@ -227,13 +228,11 @@ class Runner:
 
 class ChunkParams:
     """Each local group's chunk programs' params: an FSDP group's gathered whole over its chunk
-    axes (:func:`.programs.whole_params_program`, compiled on first use), once a step for all
-    of its chunks; other groups' flat vectors as they are (``gather=False``: every group's)."""
+    axes by its ``gather`` program (:func:`.programs.chunk_program`, compiled on first use),
+    once a step for all of its chunks; other groups' (``None``) flat vectors as they are."""
 
-    def __init__(self, plan: Plan, groups: list[int], gather: bool = True):
-        self.programs = {
-            g: programs.whole_params_program(plan, g) if gather else None for g in groups
-        }
+    def __init__(self, gathers: dict[int, Any]):
+        self.programs = gathers
         self.compiled: dict[int, Any] = {}  # per FSDP group (bitwise_cost: their bytes sent)
 
     def gathers(self) -> bool:
