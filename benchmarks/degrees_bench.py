@@ -135,7 +135,7 @@ def main() -> None:
         "--chunks", action="store_true", help="only the table of cost against chunks per group"
     )
     args = parser.parse_args()
-    width, hidden, repeats = (64, 256, 2) if args.quick else (1024, 4096, 7)
+    width, hidden, repeats = (64, 256, 2) if args.quick else (1024, 4096, 15)
     if args.chunks:
         chunks_table(width, hidden, repeats, common.should_write(args))
         return
