@@ -39,6 +39,14 @@ programs' and the update's (the global norm: manual over the group, the partials
 all-gathered and added in the canonical tree) -- as unsplit adds them vs XLA's
 collectives (the same switch, which covers both): the train step's time ratio and
 whether 3 steps end in the data=1 run's bits.
+
+``--transformer`` (issue 37, item 7) times the same train step (``clip_by_global_norm`` +
+AdamW, the state sharded like the params) on the tiny Transformer
+(``unsplit.models.Transformer`` at its default sizes, 110k params, token-weighted loss,
+batch 64) with ``unsplit.models.fsdp_specs`` over ``fsdp``: default mode's train step against
+bitwise with ``chunk_axes="fsdp"`` at the default chunk and at one chunk per group, and
+bitwise without groups (params gathered); alternating rounds, and whether 3 steps end in the
+data=1 run's bits. Goal: bitwise with FSDP groups <= 1.3x default mode's.
 """
 
 from __future__ import annotations
@@ -59,10 +67,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import unsplit
+from unsplit import models as tf
 
 MARKER = "fsdp_groups"
 REDUCE_MARKER = "fsdp_groups_reduce"
 UPDATE_MARKER = "fsdp_groups_update"
+TRANSFORMER_MARKER = "fsdp_groups_transformer"
 DEFAULT_TRAIN = "default mode (one jitted program)"
 XLA_ENV = "UNSPLIT_BENCH_XLA_GROUP_REDUCE"  # the library's switch for measuring its old path
 FSDP = "bitwise, chunk_axes='fsdp'"
@@ -309,6 +319,83 @@ def update_rows(quick: bool) -> tuple[str, list[str], list[list[str]]]:
     return title, header, cells
 
 
+def transformer_train(data: int, options: dict, quick: bool):
+    """A train step (clip + AdamW) of the tiny Transformer on a (data, fsdp=4) mesh, params and
+    optimizer state sharded by ``fsdp_specs``, after one call; returns a zero-argument step
+    that carries its own state, and the state."""
+    config = tf.TransformerConfig(width=32, layers=1) if quick else tf.TransformerConfig()
+    model = tf.Transformer(config)
+    mesh = mesh_of(data)
+    params = jax.tree.map(np.asarray, tf.init_params(model, 0))
+    specs = unsplit.models.fsdp_specs(params, "fsdp", 4)
+    params = unsplit.models.on_mesh(params, mesh, specs)
+    optimizer = clipped_adamw()
+    state = {"params": params, "opt": sharded_like(jax.jit(optimizer.init)(params), params, mesh)}
+    batch = tf.synthetic_batch(config, TRANSFORMER_BATCH, seed=1)
+    batch = jax.device_put(batch, NamedSharding(mesh, P(("data", "fsdp"))))
+    step = unsplit.value_and_grad(
+        tf.token_loss(model), weighted=True, mesh=mesh, batch_axes=("data", "fsdp"), **options
+    )
+    train = unsplit.train_step(step, optimizer)
+    key = jax.random.key(2)
+
+    def one_step():
+        _, state["params"], state["opt"] = train(state["params"], state["opt"], batch, key)
+        return state["params"]
+
+    jax.block_until_ready(one_step())
+    return one_step, state
+
+
+TRANSFORMER_BATCH = 64
+# Rows per group at data=2: 64 / 2 = 32, one chunk per group.
+TRANSFORMER_MODES = {
+    DEFAULT_TRAIN: {},
+    "bitwise, chunk_axes='fsdp', default chunk": {"bitwise": True, "chunk_axes": "fsdp"},
+    "bitwise, chunk_axes='fsdp', chunk_size=32 (one chunk per group)": {
+        "bitwise": True, "chunk_axes": "fsdp", "chunk_size": 32},
+    "bitwise, no chunk_axes (params gathered), chunk_size=8": {"bitwise": True, "chunk_size": 8},
+}  # fmt: skip
+
+
+def transformer_rows(quick: bool) -> tuple[str, list[str], list[list[str]]]:
+    """The tiny Transformer's FSDP train step: bitwise (with and without groups) vs default."""
+    runs = {
+        name: transformer_train(2, options, quick)[0] for name, options in TRANSFORMER_MODES.items()
+    }
+    timed = common.compare(
+        {name: (lambda f=f: f()) for name, f in runs.items()},
+        baseline=DEFAULT_TRAIN,
+        repeats=3 if quick else 11,
+        inner=3,
+        warmup=1,
+    )
+    del runs
+    same = {}
+    for name, options in TRANSFORMER_MODES.items():
+        if not options:
+            continue
+        ends = []
+        for data in (2, 1):
+            one_step, state = transformer_train(data, options, quick)
+            one_step(), one_step()
+            ends.append(jax.device_get((state["params"], state["opt"])))
+        same[name] = unsplit.testing.bits_equal(*ends)
+    header = ["train step (data=2, fsdp=4)", "time vs default mode's (median, min-max)",
+              "3 steps bit-identical to data=1"]  # fmt: skip
+    cells = [
+        [r.name, common.ratio_cell(r), ("yes" if same[r.name] else "NO") if r.name in same else "-"]
+        for r in timed
+    ]
+    n_params = sum(x.size for x in jax.tree.leaves(tf.init_params(tf.Transformer(
+        tf.TransformerConfig(width=32, layers=1) if quick else tf.TransformerConfig()), 0)))  # fmt: skip
+    title = (
+        f"FSDP groups' train step on the tiny Transformer (`clip_by_global_norm(0.1)` + AdamW, "
+        f"{n_params / 1e3:.0f}k params, batch {TRANSFORMER_BATCH}, token-weighted loss)"
+    )
+    return title, header, cells
+
+
 def run_child(mode: str, quick: bool, train: bool = False) -> dict:
     argv = [sys.executable, __file__, "--child", mode] + (["--quick"] if quick else [])
     argv += ["--train"] if train else []
@@ -324,12 +411,18 @@ def main() -> None:
     parser.add_argument("--train", action="store_true", help=argparse_hidden())
     parser.add_argument("--reduce", action="store_true", help="only the in-group sum's rows")
     parser.add_argument("--update", action="store_true", help="only the train step's rows")
+    parser.add_argument(
+        "--transformer", action="store_true", help="only the tiny Transformer's train step rows"
+    )
     args = parser.parse_args()
     if args.reduce:
         reduce_table(args)
         return
     if args.update:
         update_table(args)
+        return
+    if args.transformer:
+        side_table(args, transformer_rows, TRANSFORMER_MARKER)
         return
     if args.child:
         run = train_child if args.train else child
@@ -369,6 +462,7 @@ def main() -> None:
         body = f"{title}:\n\n{common.markdown_table(header, cells)}"
         common.write_table(DOC, MARKER, body)
     reduce_table(args)
+    side_table(args, transformer_rows, TRANSFORMER_MARKER)
 
 
 def side_table(args, rows, marker: str) -> None:
