@@ -165,10 +165,8 @@ def _bounds(index: tuple, shape: tuple) -> Any:
     return None if all(b == (0, n) for b, n in zip(bounds, shape, strict=True)) else bounds
 
 
-# Long: one update per group end to end (leaves gathered to the group axes, each group's
-# program, the outputs put together and resharded): every step reads the groups and specs.
 class GroupedUpdate:
-    """``fn(*trees)`` run once per FSDP group, each leaf sharded over the group's axes only.
+    """``fn(*trees)`` run by every FSDP group, each leaf sharded over the group's axes only.
 
     The update of a bitwise step with ``chunk_axes``: its bits are fixed by the
     group (the chunk axes' sizes and the leaves' specs over them), not by the
@@ -176,11 +174,12 @@ class GroupedUpdate:
     its sharding (gathered over the others first, exactly, if it had any); each
     group of devices along ``axes`` runs ``fn`` on its own shards, manual over
     the group with every float sum across its devices in unsplit's fixed order
-    (:mod:`~unsplit._src.bitwise.fsdp.fixed_order_update`; the same program for
-    every group, compiled for each group's devices; an update that rewrite cannot
-    run is XLA's SPMD program instead, with a :class:`FixedOrderFallback` warning
-    and the reason in :attr:`fallback`); the outputs are put together on the mesh
-    and given the sharding of the input leaf each one replaces. Memory per device: the leaves' shards
+    (:mod:`~unsplit._src.bitwise.fsdp.fixed_order_update`), all groups in one
+    program over the mesh (manual over every axis: each device runs the code one
+    group's program would, its collectives inside its group; an update that rewrite
+    cannot run is XLA's SPMD program instead, with a :class:`FixedOrderFallback`
+    warning and the reason in :attr:`fallback`); each output gets the sharding of
+    the input leaf it replaces. Memory per device: the leaves' shards
     over the group, as default mode's FSDP update holds them (not the whole
     arrays on one device, as :class:`CanonicalUpdate` does).
 
@@ -205,6 +204,7 @@ class GroupedUpdate:
         grid = grid.reshape(-1, *(mesh.shape[a] for a in self.axes))
         me = jax.process_index()
         types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+        # This process's groups (one group's mesh gives the rewrite the group axes' sizes).
         self.groups = [
             jax.sharding.Mesh(g, self.axes, axis_types=tuple(types[a] for a in self.axes))
             for g in grid
@@ -220,23 +220,7 @@ class GroupedUpdate:
         targets = jax.tree.map(self._target, trees[: self.outputs])
         local_specs = jax.tree.map(lambda x: partition.keep_axes(self._spec(x), self.axes), trees)
         trees = self._gathered(trees, local_specs)
-        outs = [self._run(g, trees, local_specs) for g in self.groups]
-        leaves = [jax.tree.leaves(out) for out in outs]
-        treedef = jax.tree.structure(outs[0])
-        out_specs = jax.tree.leaves(tuple(local_specs[: self.outputs]), is_leaf=_is_spec)
-        target_leaves = jax.tree.leaves(
-            targets, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
-        )
-        arrays = []
-        for i, (spec, target) in enumerate(zip(out_specs, target_leaves, strict=True)):
-            shards = [s.data for per_group in leaves for s in per_group[i].addressable_shards]
-            shape = leaves[0][i].shape
-            sharding = NamedSharding(self.mesh, spec)
-            if target.is_equivalent_to(sharding, len(shape)):
-                sharding = target  # the input's own sharding object (the same layout)
-            arrays.append(jax.make_array_from_single_device_arrays(shape, sharding, shards))
-        out = jax.tree.unflatten(treedef, arrays)
-        return self._resharded(out, targets)
+        return self._resharded(self._run(trees, local_specs, targets), targets)
 
     def _spec(self, x: Any) -> P:
         sharding = getattr(x, "sharding", None)
@@ -275,38 +259,39 @@ class GroupedUpdate:
             NamedSharding(self.mesh, spec), np.ndim(x)
         )
 
-    def _run(self, gmesh: jax.sharding.Mesh, trees: tuple, local_specs: tuple) -> Any:
-        """``fn`` on group ``gmesh``'s shards: one program over the group's devices."""
-
-        def on_group(x, spec):
-            by_device = {s.device: s.data for s in x.addressable_shards}
-            sharding = NamedSharding(gmesh, spec)
-            # A group spread over processes: each process puts its own devices' shards.
-            shards = [by_device[d] for d in gmesh.devices.flat if d in by_device]
-            return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
-
-        args = jax.tree.map(on_group, trees, local_specs)
-        out_shardings = jax.tree.map(
-            lambda s: NamedSharding(gmesh, s), tuple(local_specs[: self.outputs]), is_leaf=_is_spec
-        )
+    def _run(self, trees: tuple, local_specs: tuple, targets: tuple) -> Any:
+        """``fn`` on every group's shards: one program over the whole mesh, each group of
+        devices along the group axes on its own shards (no per-leaf, per-group arrays built
+        in Python on every step: with many leaves and groups that cost more than the update)."""
+        leaves = jax.tree.leaves(trees)
         key = (
-            tuple(d.id for d in gmesh.devices.flat),
             jax.tree.structure(trees),
-            tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(trees)),
+            tuple((np.shape(x), str(x.dtype)) for x in leaves),
             tuple(jax.tree.leaves(local_specs, is_leaf=_is_spec)),
+            tuple(jax.tree.leaves(targets, is_leaf=_is_sharding)),
         )
         if key not in self._programs:
             outs = tuple(local_specs[: self.outputs])
+
+            def out_sharding(spec, target, x):
+                sharding = NamedSharding(self.mesh, spec)
+                # The input's own sharding object where it is the same layout (the next
+                # step's programs then see the shardings they were traced with).
+                return target if target.is_equivalent_to(sharding, np.ndim(x)) else sharding
+
+            out_shardings = jax.tree.map(
+                out_sharding, outs, targets, tuple(trees[: self.outputs]), is_leaf=_is_spec
+            )
             self._programs[key], fallback = _group_program(
-                self.fn, gmesh, args, local_specs, outs, out_shardings
+                self.fn, self.groups[0], self.mesh, trees, local_specs, outs, out_shardings
             )
             self.fallback = self.fallback or fallback
-        return self._programs[key](*args)
+        return self._programs[key](*trees)
 
     def _resharded(self, out: Any, targets: Any) -> Any:
         """Each output with its input's sharding (a slice, exact); those already so as they are."""
         leaves, treedef = jax.tree.flatten(out)
-        targets = jax.tree.leaves(targets, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        targets = jax.tree.leaves(targets, is_leaf=_is_sharding)
         todo = [
             i
             for i, (x, t) in enumerate(zip(leaves, targets, strict=True))
@@ -325,19 +310,29 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
+def _is_sharding(x: Any) -> bool:
+    return isinstance(x, jax.sharding.Sharding)
+
+
 class FixedOrderFallback(UserWarning):
     """A grouped update whose sums across an FSDP group are left to XLA (see its message)."""
 
 
-def _group_program(fn, gmesh, args, in_specs, out_specs, out_shardings) -> tuple[Callable, Any]:
-    """A group's update program and why it falls back (None where it does not): manual, its
-    float sums across the group in unsplit's order
-    (:mod:`~unsplit._src.bitwise.fsdp.fixed_order_update`), or XLA's SPMD program where the
-    update holds an equation that rewrite does not run on split dimensions (warned)."""
+def _group_program(
+    fn, gmesh, mesh, args, in_specs, out_specs, out_shardings
+) -> tuple[Callable, Any]:
+    """The groups' update program over ``mesh`` and why it falls back (None where it does
+    not): manual, each group (``gmesh``'s axes) on its shards with its float sums across the
+    group in unsplit's order (:mod:`~unsplit._src.bitwise.fsdp.fixed_order_update`), or XLA's
+    SPMD program where the update holds an equation that rewrite does not run on split
+    dimensions (warned)."""
     if not group_reduce.fixed_order():  # the benchmarks' measuring switch
         return jax.jit(fn, out_shardings=out_shardings), None
     try:
-        return fixed_order_update.program(fn, gmesh, args, in_specs, out_specs), None
+        program = fixed_order_update.program(
+            fn, gmesh, args, in_specs, out_specs, mesh=mesh, out_shardings=out_shardings
+        )
+        return program, None
     except fixed_order_update.BlockError as e:
         warnings.warn(
             f"bitwise: in the optimizer update, {e} It runs as XLA partitions it: its sums "

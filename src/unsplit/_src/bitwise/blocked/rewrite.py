@@ -106,6 +106,8 @@ def program(
     gather_unsupported: bool = True,
     compiler_options: dict | None = None,
     wrap: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    out_shardings: Any = None,
 ):
     """``jax.jit`` of ``fn`` run manual over ``gmesh`` with the canonical-block rewrite.
 
@@ -113,19 +115,27 @@ def program(
     shapes), ``in_specs`` and ``out_specs`` trees of specs over ``gmesh``'s axes,
     shaped like ``args`` and ``fn``'s outputs; ``compiler_options`` go to ``jax.jit``;
     ``wrap`` (optional) transforms the rewritten ``shard_map`` before it is jitted.
+    ``mesh`` (optional): a larger mesh holding ``gmesh``'s axes (same sizes) and others,
+    over which the program runs manual instead: each group of devices along ``gmesh``'s
+    axes computes ``fn`` on its own blocks (the inputs replicated over the other axes), in
+    one program for every group. ``out_shardings`` (optional) go to ``jax.jit``.
     """
+    if mesh is not None and any(mesh.shape.get(a) != n for a, n in gmesh.shape.items()):
+        raise ValueError(f"mesh {dict(mesh.shape)} does not hold gmesh's axes {dict(gmesh.shape)}")
     local, mapped_specs, unflatten = manual(
         fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=gather_unsupported
     )
     ins, outs = mapped_specs
     mapped = jax.shard_map(
-        local, mesh=gmesh, in_specs=tuple(ins), out_specs=list(outs), check_vma=False
+        local, mesh=mesh or gmesh, in_specs=tuple(ins), out_specs=list(outs), check_vma=False
     )
     if wrap is not None:
         mapped = wrap(mapped)
+    jit_options = {} if out_shardings is None else {"out_shardings": out_shardings}
     run = jax.jit(
         lambda *trees: unflatten(mapped(*jax.tree.leaves(trees))),
         compiler_options=compiler_options,
+        **jit_options,
     )
     run.trace(*args)  # raises Unsupported / BlockError now, not on the first call
     return run

@@ -67,12 +67,17 @@ def program(
     out_specs: Any,
     *,
     blocks: int = DEFAULT_BLOCKS,
+    mesh: jax.sharding.Mesh | None = None,
+    out_shardings: Any = None,
 ):
     """``jax.jit`` of ``fn`` run manual over ``gmesh`` with every float sum across the group
     in unsplit's fixed order. ``args`` are ``fn``'s arguments (arrays or shape-dtype
     structs: the whole shapes), ``in_specs`` and ``out_specs`` trees of specs over the
-    group axes. Raises :class:`Unsupported` or :class:`BlockError` when the update holds
-    an equation the rewrite cannot run on the blocks."""
+    group axes. With ``mesh`` (the whole mesh, which holds the group axes and others),
+    every group runs in one program over it, each on its own shards (the same per-device
+    code as one group's program). Raises :class:`Unsupported` or :class:`BlockError` when
+    the update holds an equation the rewrite cannot run on the blocks."""
+    where = {"mesh": mesh, "out_shardings": out_shardings}
     # On CPU, as the chunk programs: XLA's default level, every product rounded on its own
     # (no FMA that another group size's fusions would not make), at every array length the
     # same element code (canonical_dots.cpu_options). Level 0 (canonical_dots.exact_elementwise)
@@ -81,7 +86,8 @@ def program(
         return rewrite.program(
             fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=False,
             compiler_options=canonical_dots.cpu_options(), wrap=canonical_dots.canonicalize,
+            **where,
         )  # fmt: skip
     return rewrite.program(
-        fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=False
+        fn, gmesh, args, in_specs, out_specs, blocks=blocks, gather_unsupported=False, **where
     )
