@@ -6,13 +6,18 @@ should agree must share it, and each of them must accept it:
 * the batch axes' devices ``d`` divide the global batch (as in default mode);
 * with FSDP groups (``chunk_axes``, groups of ``G`` devices) each group's rows
   are split over its ``G`` devices, so ``d`` is a multiple of ``G`` and the
-  chunk a multiple of ``G``; groups of another size run another program, so
-  ``G`` is the same for every schedule;
+  chunk a multiple of ``G``;
 * each group's share, ``global_batch // (d // G)`` examples, is a whole number
-  of chunks.
+  of chunks;
+* groups of several sizes ``G`` agree when each device computes its rows as
+  the chunk's canonical row blocks (``block_count(chunk, blocks)`` blocks of at
+  least two rows, shared by the group's devices): every listed ``G`` divides
+  that block count. A group of one size alone has no such rule (its bits are
+  then its own size's).
 
-The valid chunks are then the multiples of ``G`` dividing the greatest common
-divisor of the shares; :func:`chunk_size_for` returns the largest (or the
+The valid chunks are then the multiples of every ``G`` dividing the greatest
+common divisor of the shares (and, with several group sizes, whose row blocks
+every ``G`` divides); :func:`chunk_size_for` returns the largest (or the
 largest not above ``at_most``).
 
 Given a bitwise step and its inputs, it also keeps to the largest that **fits**:
@@ -38,6 +43,7 @@ from typing import Any
 import jax
 
 from unsplit._src import frozen as frozen_lib
+from unsplit._src.bitwise.blocked.values import block_count
 from unsplit._src.bitwise.cost import _held_sums
 from unsplit._src.step import memory
 
@@ -50,7 +56,8 @@ def chunk_size_for(
     global_batch: int,
     batch_devices: int | Sequence[int] = (1, 8, 64),
     *,
-    group_devices: int = 1,
+    group_devices: int | Sequence[int] = 1,
+    blocks: int = 8,
     at_most: int | None = None,
     step: Any = None,
     params: Any = None,
@@ -71,8 +78,11 @@ def chunk_size_for(
         batch_devices: the numbers of devices the batch axes may span (the
             product of the ``batch_axes`` sizes), one int or several.
         group_devices: with ``chunk_axes`` (FSDP groups), the devices of the
-            chunk axes: every chunk is split over them. The same for every
-            schedule (another number runs another program, other bits).
+            chunk axes: every chunk is split over them. Several sizes (e.g.
+            ``(2, 4, 8)``): the chunk's row blocks are then shared by groups of
+            each size, so all of them give the same bits.
+        blocks: the step's ``Bitwise(blocks=...)`` (8 by default): the most
+            row blocks a chunk is cut into for FSDP groups of several sizes.
         at_most: the largest chunk size to consider (activation memory).
         step: a bitwise step (``value_and_grad(..., bitwise=True)``, a
             per-example loss), with ``params``, ``batch`` (the global batch of
@@ -83,14 +93,17 @@ def chunk_size_for(
             (a few compiles) and kept for a step of the same loss function.
 
     Returns:
-        The largest chunk size, a multiple of ``group_devices`` dividing every
-        group's share of the batch, not above ``at_most`` and, with ``step``,
+        The largest chunk size, a multiple of each ``group_devices`` dividing
+        every group's share of the batch (with several group sizes: whose row
+        blocks each of them divides), not above ``at_most`` and, with ``step``,
         fitting the devices' memory (on a backend that reports no free memory,
         unchecked: as the memory check).
 
     Raises:
         ValueError: a device count does not divide the batch or is not a
-            multiple of ``group_devices``, or ``at_most < group_devices``; with
+            multiple of each ``group_devices``, ``at_most`` is below their least
+            common multiple, or no chunk has row blocks that every listed group
+            size divides; with
             ``step``, not even the smallest chunk fits, or the batch is not
             ``global_batch`` examples.
         TypeError: an argument is not a positive int; ``step`` is not a
@@ -104,6 +117,8 @@ def chunk_size_for(
         (64, 16)
         >>> unsplit.chunk_size_for(96, (4, 8), group_devices=4)  # 1 or 2 groups of 4
         48
+        >>> unsplit.chunk_size_for(64, 8, group_devices=(2, 4, 8))  # 8 row blocks of 2 rows
+        16
 
         The largest that also fits the device's memory (here all of them do):
 
@@ -114,37 +129,63 @@ def chunk_size_for(
         32
     """
     size = _positive("global_batch", global_batch)
-    group = _positive("group_devices", group_devices)
+    groups = _group_sizes(group_devices)
+    row_blocks = _positive("blocks", blocks)
     devices = _device_counts(batch_devices)
     cap = None if at_most is None else _positive("at_most", at_most)
     shares = []
-    for d in devices:
-        if d % group:
-            raise ValueError(
-                f"with FSDP groups of group_devices={group} every batch device count must be "
-                f"a multiple of {group} (the batch axes include the chunk axes); got "
-                f"batch_devices={devices}, {d} is not. Fix: drop {d}, or list counts like "
-                f"{tuple(group * k for k in (1, 2, 4))}."
-            )
-        if size % d:
-            raise ValueError(
-                f"every batch device count must divide the global batch (each device gets "
-                f"whole examples); got global_batch={size}, batch_devices={devices}: {d} does "
-                f"not divide {size}. Fix: drop {d}, or use a global batch that is a multiple "
-                f"of {math.lcm(*devices)}."
-            )
-        shares.append(size // (d // group))
-    # Every share is group * (size // d), so the multiples of group dividing their gcd
-    # always include group itself: only at_most can leave no chunk.
+    for group in groups:
+        for d in devices:
+            if d % group:
+                raise ValueError(
+                    f"with FSDP groups of group_devices={group} every batch device count must "
+                    f"be a multiple of {group} (the batch axes include the chunk axes); got "
+                    f"batch_devices={devices}, {d} is not. Fix: drop {d}, or list counts like "
+                    f"{tuple(group * k for k in (1, 2, 4))}."
+                )
+            if size % d:
+                raise ValueError(
+                    f"every batch device count must divide the global batch (each device gets "
+                    f"whole examples); got global_batch={size}, batch_devices={devices}: {d} "
+                    f"does not divide {size}. Fix: drop {d}, or use a global batch that is a "
+                    f"multiple of {math.lcm(*devices)}."
+                )
+            shares.append(size // (d // group))
+    # Every share is group * (size // d), so with one group size the multiples of it dividing
+    # their gcd include the group itself: only at_most can leave no chunk. Several sizes need
+    # a common multiple of theirs dividing every share, and row blocks they all divide.
+    step_size = math.lcm(*groups)
     common = functools.reduce(math.gcd, shares)
-    fits = [c for c in range(group, common + 1, group) if common % c == 0]
-    if cap is not None and cap < group:
+    fits = [c for c in range(step_size, common + 1, step_size) if common % c == 0]
+    if not fits:
         raise ValueError(
-            f"no chunk size fits: with FSDP groups of group_devices={group} a chunk is split "
-            f"over its {group} devices, so expected a multiple of {group}, at most "
-            f"at_most={cap}; got none. Fix: at_most >= {group} (or smaller groups)."
+            f"no chunk size is split evenly over groups of each of {_text(groups)} devices "
+            f"(a multiple of {step_size}) and divides every group's share of the batch "
+            f"({sorted(set(shares))} examples); got global_batch={size}, batch_devices="
+            f"{devices}. Fix: group sizes that divide each other (e.g. (2, 4, 8)), or a "
+            f"global batch that is a multiple of {math.lcm(*devices) * step_size}."
+        )
+    if cap is not None and cap < step_size:
+        raise ValueError(
+            f"no chunk size fits: with FSDP groups of group_devices={_text(groups)} a chunk is "
+            f"split over each group's devices, so expected a multiple of {step_size}, at most "
+            f"at_most={cap}; got none. Fix: at_most >= {step_size} (or smaller groups)."
         )
     fits = [c for c in fits if cap is None or c <= cap]
+    if len(groups) > 1:
+        shared = [c for c in fits if all(block_count(c, row_blocks) % g == 0 for g in groups)]
+        if not shared:
+            counts = {c: block_count(c, row_blocks) for c in fits}
+            raise ValueError(
+                f"no chunk size lets FSDP groups of {_text(groups)} devices share its row "
+                f"blocks (each device computes its rows as the chunk's canonical row blocks of "
+                f"two or more rows, at most blocks={row_blocks}; every group size must divide "
+                f"their number, or its bits are its own size's); got global_batch={size}, "
+                f"batch_devices={devices}: the valid chunks {sorted(counts)} have "
+                f"{sorted(set(counts.values()))} row blocks. Fix: "
+                f"{_shared_blocks_fix(groups, max(fits), row_blocks)}."
+            )
+        fits = shared
     if step is None:
         return fits[-1]
     held = {c: max(_held(size // c, share // c) for share in shares) for c in fits}
@@ -257,6 +298,47 @@ def _positive(name: str, value: Any) -> int:
             f"{name} must be a positive int; got {name}={value!r}. Fix: pass e.g. {name}=8."
         )
     return int(value)
+
+
+def _group_sizes(group_devices: Any) -> tuple[int, ...]:
+    if isinstance(group_devices, numbers.Integral) and not isinstance(group_devices, bool):
+        return (_positive("group_devices", group_devices),)
+    try:
+        sizes = tuple(group_devices)
+    except TypeError:
+        sizes = ()
+    if not sizes:
+        raise TypeError(
+            f"group_devices must be a positive int or a non-empty sequence of them (the "
+            f"devices of the chunk axes); got group_devices={group_devices!r}. Fix: pass e.g. "
+            "group_devices=4 or group_devices=(2, 4, 8)."
+        )
+    sizes = tuple(_positive("group_devices", g) for g in sizes)
+    if len(sizes) > 1 and 1 in sizes:
+        raise ValueError(
+            f"group_devices={sizes} lists 1 beside larger groups: without chunk_axes a chunk "
+            "is computed whole on one device, not as the row blocks a group's devices share, "
+            f"so its bits are not the groups'. Fix: list group sizes of 2 or more, e.g. "
+            f"group_devices={tuple(g for g in sizes if g > 1)}."
+        )
+    return tuple(sorted(set(sizes)))
+
+
+def _shared_blocks_fix(groups: tuple[int, ...], chunk: int, blocks: int) -> str:
+    """What lets every group size divide a chunk's row blocks (a power of two)."""
+    if any(g & (g - 1) for g in groups):
+        return "group sizes that are powers of two (the row blocks are), or one group size"
+    largest = max(groups)
+    if block_count(chunk, largest) % largest == 0:  # only the block count held it back
+        return f"blocks={largest} (the step's Bitwise(blocks={largest}) too), or fewer group sizes"
+    return (
+        f"a global batch with {2 * largest} or more rows per group of the most groups "
+        f"(a chunk of {2 * largest} rows has {largest} blocks of 2), or fewer group sizes"
+    )
+
+
+def _text(sizes: tuple[int, ...]) -> str:
+    return str(sizes[0]) if len(sizes) == 1 else str(sizes)
 
 
 def _device_counts(batch_devices: Any) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from jax.sharding import AxisType, Mesh
 import unsplit
 from unsplit._src import test_util as testing
 from unsplit._src.bitwise import chunk_size
+from unsplit._src.bitwise.blocked.values import block_count
 from unsplit._src.bitwise.chunk_size import chunk_size_for
 from unsplit._src.step import memory
 
@@ -33,15 +34,22 @@ AUTO = AxisType.Auto
         (96, (4, 8), 4, None, 48),  # one or two groups of 4: shares 96 and 48
         (24, (2, 4, 8), 2, None, 6),  # shares 24, 12, 6; multiples of 2
         (16, (4,), 4, 6, 4),
+        (64, 8, (2, 4, 8), None, 16),  # 8 row blocks of 2 rows: groups of 2, 4, 8 share them
+        (32, (4, 8), (2, 4), None, 8),  # 4 row blocks of 2 rows
+        (64, (4, 8), (2, 4), 8, 8),
     ],
 )
 def test_largest_valid_chunk(batch, devices, group, at_most, want):
     got = chunk_size_for(batch, devices, group_devices=group, at_most=at_most)
     assert got == want
     counts = (devices,) if isinstance(devices, int) else devices
+    groups = (group,) if isinstance(group, int) else group
     for d in counts:  # every schedule's rule, read from the definition
-        share = batch // (d // group)
-        assert got % group == 0 and share % got == 0
+        for g in groups:
+            share = batch // (d // g)
+            assert got % g == 0 and share % got == 0
+            if len(groups) > 1:  # the row blocks every group size shares
+                assert block_count(got, 8) % g == 0
 
 
 def test_default_devices():
@@ -73,6 +81,40 @@ def test_default_devices():
         (dict(global_batch=8, batch_devices=(1, 0)), TypeError, r"with \[0\]"),
         (dict(global_batch=8, batch_devices="8"), TypeError, "positive ints"),
         (dict(global_batch=8, group_devices=True), TypeError, "group_devices must be"),
+        (dict(global_batch=8, group_devices=()), TypeError, "group_devices must be.*non-empty"),
+        (dict(global_batch=8, group_devices=(2, 0)), TypeError, "group_devices must be"),
+        (
+            dict(global_batch=64, batch_devices=8, group_devices=(1, 4)),
+            ValueError,
+            r"lists 1 beside larger groups.*group_devices=\(4,\)",
+        ),
+        (
+            dict(global_batch=32, batch_devices=8, group_devices=(2, 4, 8)),
+            ValueError,
+            r"groups of \(2, 4, 8\) devices share its row blocks.*\[8\] have \[4\] row blocks"
+            r".*16 or more rows per group",
+        ),
+        (
+            dict(global_batch=64, batch_devices=8, group_devices=(2, 4, 8), blocks=4),
+            ValueError,
+            r"at most blocks=4.*Fix: blocks=8",
+        ),
+        (
+            dict(global_batch=144, batch_devices=6, group_devices=(2, 3)),
+            ValueError,
+            "Fix: group sizes that are powers of two",
+        ),
+        (
+            dict(global_batch=24, batch_devices=6, group_devices=(2, 3)),
+            ValueError,
+            r"a multiple of 6\) and divides every group's share.*\[8, 12\].*multiple of 36",
+        ),
+        (
+            dict(global_batch=64, batch_devices=(4, 8), group_devices=(2, 4), at_most=2),
+            ValueError,
+            "multiple of 4, at most at_most=2",
+        ),
+        (dict(global_batch=8, blocks=0), TypeError, "blocks must be"),
         (dict(global_batch=8, at_most=0), TypeError, "at_most must be"),
     ],
 )
@@ -145,6 +187,16 @@ def test_the_chunk_gives_the_same_bits_on_every_listed_device_count(size, device
     # A larger chunk than the one returned fails on the schedule with the smallest share.
     with pytest.raises(ValueError, match="whole number of chunks"):
         bitwise_step(batch, 2 * chunk, devices[-1] // group, group)
+
+
+def test_the_chunk_for_several_group_sizes_gives_their_groups_the_same_bits():
+    # Groups of 2 and 4 devices over 4 or 8 batch devices: 4 schedules, chunk 8 of 4 row blocks.
+    chunk = chunk_size_for(32, (4, 8), group_devices=(2, 4))
+    assert chunk == 8
+    batch = mlp_batch(32)
+    outs = [bitwise_step(batch, chunk, d // g, g) for d in (4, 8) for g in (2, 4)]
+    for out in outs[1:]:
+        assert testing.bits_equal(out, outs[0])
 
 
 # ---- with a step: the largest chunk that fits the devices' memory ----

@@ -39,7 +39,10 @@ class Bitwise:
             multiple of their device count). See :func:`unsplit.chunk_size_for`.
         chunk_axes: batch axes (a name or a tuple, the last of ``batch_axes``)
             whose devices compute each chunk together (FSDP groups): params stay
-            sharded over them and the bits are fixed by the group's size.
+            sharded over them; each device computes its rows as the chunk's row
+            blocks, so groups of every size dividing their number (2, 4 and 8 at
+            ``chunk_size=16``) give the same bits. ``chunk_size_for(...,
+            group_devices=(2, 4, 8))`` picks a chunk they all share.
         blocks: the canonical blocks of a dimension that a model-parallel or
             sequence axis splits (a power of two; fewer for a dimension whose size
             has fewer factors of two): every dot and sum over such a dimension is
