@@ -159,8 +159,9 @@ def train_step(step: Step, optimizer: optax.GradientTransformation | None = None
         )
 
     # Bitwise: the update too is one program whatever the schedule: on whole arrays, or, with
-    # FSDP groups (chunk_axes), on each group's shards (its bits fixed by the group, as the
-    # step's are).
+    # FSDP groups (chunk_axes), on each group's shards (its sums over a split dimension per
+    # canonical block, so groups of every size dividing the blocks give the same bits, as the
+    # step's chunks do).
     bitwise = _BitwiseTrain(step)
     mesh = _bitwise_mesh(step)
     groups = tuple(a for a in cast(BitwiseStep, step._engine).chunk_axes if mesh.shape[a] > 1)
