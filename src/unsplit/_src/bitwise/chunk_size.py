@@ -101,7 +101,8 @@ def chunk_size_for(
 
     Raises:
         ValueError: a device count does not divide the batch or is not a
-            multiple of each ``group_devices``, ``at_most`` is below their least
+            multiple of each ``group_devices``, ``blocks`` is not a power of two,
+            ``at_most`` is below their least
             common multiple, or no chunk has row blocks that every listed group
             size divides; with
             ``step``, not even the smallest chunk fits, or the batch is not
@@ -131,6 +132,11 @@ def chunk_size_for(
     size = _positive("global_batch", global_batch)
     groups = _group_sizes(group_devices)
     row_blocks = _positive("blocks", blocks)
+    if row_blocks & (row_blocks - 1):
+        raise ValueError(
+            f"blocks must be a power of two, as the step's Bitwise(blocks=...) is; got "
+            f"blocks={row_blocks}. Fix: pass the step's blocks, e.g. blocks=8 (the default)."
+        )
     devices = _device_counts(batch_devices)
     cap = None if at_most is None else _positive("at_most", at_most)
     shares = []

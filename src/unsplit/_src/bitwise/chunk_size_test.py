@@ -115,6 +115,7 @@ def test_default_devices():
             "multiple of 4, at most at_most=2",
         ),
         (dict(global_batch=8, blocks=0), TypeError, "blocks must be"),
+        (dict(global_batch=8, blocks=6), ValueError, "blocks must be a power of two.*blocks=6"),
         (dict(global_batch=8, at_most=0), TypeError, "at_most must be"),
     ],
 )
