@@ -7,13 +7,20 @@ other bits unless every process runs with ``--xla_gpu_deterministic_ops=true``
 and either ``--xla_gpu_autotune_level=0`` or one shared autotune cache. A
 bitwise step on a GPU backend whose ``XLA_FLAGS`` lack the first flag warns
 once (the Bitwise mode guide, https://unsplit.readthedocs.io/en/latest/bitwise/#accelerators-gpu-tpu).
+
+On CPU with jaxlib before 0.12, a step whose groups span several devices runs their
+programs one at a time (:func:`groups_one_at_a_time`): that client can deadlock on two
+collective programs in flight.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Iterable
+
+import jaxlib
 
 from unsplit._src import links
 
@@ -53,3 +60,37 @@ def warn_once_without_gpu_flags(devices: Iterable) -> None:
         f"imported; see {links.doc_ref('bitwise', 'accelerators-gpu-tpu')}.",
         stacklevel=4,
     )
+
+
+# The first jaxlib whose CPU client launches one collective program only once the one before
+# it is done on every device (measured: 0.12.0 and 0.12.1 never hung where 0.10.2, 0.11.0 and
+# 0.11.2 did, below).
+GANG_SCHEDULED_JAXLIB = (0, 12)
+
+
+def groups_one_at_a_time(devices: Iterable, jaxlib_version: str = jaxlib.__version__) -> bool:
+    """Whether a step's programs on groups of several devices must run one at a time here.
+
+    XLA's CPU client before jaxlib 0.12 runs each device's share of a multi-device
+    program on a thread of one pool, about as large as the process's devices, and a
+    share that reaches a collective holds its thread until every device's share has
+    arrived. Two collective programs with no data between them (two groups' chunk
+    programs, two chunks of one FSDP group) can then take every thread between them,
+    each waiting for shares that the other's threads keep from starting: XLA aborts
+    the process after 40 s (``Termination timeout for `all gather RendezvousKey...```).
+    Measured on 8 CPU devices: a bitwise FSDP-groups train step called 300 times
+    without waiting hung, and so did two plain ``jax.jit`` programs (a
+    ``psum_scatter`` and an ``all_gather``) called alternately, on jaxlib 0.10.2,
+    0.11.0 and 0.11.2; never on 0.12.0 or 0.12.1. So there the runner waits for each
+    such program before it launches the next (the host then waits on the device each
+    launch; the bits are the same).
+
+    Example:
+        >>> import jax
+        >>> groups_one_at_a_time(jax.devices("cpu"), "0.10.2")
+        True
+        >>> groups_one_at_a_time(jax.devices("cpu"), "0.12.1")
+        False
+    """
+    release = tuple(int(n) for n in re.findall(r"\d+", jaxlib_version)[:2])
+    return release < GANG_SCHEDULED_JAXLIB and all(d.platform == "cpu" for d in devices)

@@ -60,7 +60,8 @@ class CoupledRunner(Runner):
             group_vectors, chunks, group_key = inputs[g]
             run_chunk = self.stages["features"][g]
             per_group[g] = self._concat(
-                [run_chunk(group_vectors, *chunk, group_key) for chunk in chunks], g
+                [self.launched(run_chunk(group_vectors, *chunk, group_key)) for chunk in chunks],
+                g,
             )
         features = self._on_head(self._aux(per_group))  # every group's, on the head group
         vectors = inputs[self.head][0]
@@ -80,7 +81,7 @@ class CoupledRunner(Runner):
             group_vectors, chunks, group_key = inputs[g]
             run_chunk = self.stages["pullback"][g]
             for i, chunk in enumerate(chunks):
-                yield run_chunk(group_vectors, *chunk, group_key, cotangent(g, i))
+                yield self.launched(run_chunk(group_vectors, *chunk, group_key, cotangent(g, i)))
 
         totals = self._total({g: chunk_sums(g) for g in self.local_groups})
         direct = [self._spread(d, t.sharding) for d, t in zip(direct, totals, strict=True)]

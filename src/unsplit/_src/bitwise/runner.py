@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from unsplit._src import partition
-from unsplit._src.bitwise import cache, placement, programs, reduce
+from unsplit._src.bitwise import accelerators, cache, placement, programs, reduce
 from unsplit._src.bitwise.combine import program as combine
 from unsplit._src.bitwise.combine import scatter
 from unsplit._src.bitwise.plan import Plan
@@ -58,6 +58,11 @@ class Runner:
             self.fused = self._program(("fused", plan, owner.single), lambda: _fused(self))
         self.placed = placement.GroupInputs(plan, self.local_groups)
         self.held = self.placed.held
+        # Groups of several devices where XLA:CPU can deadlock on two of their programs in
+        # flight: each is waited for before the next launches.
+        self.one_at_a_time = plan.group_devices(0).size > 1 and accelerators.groups_one_at_a_time(
+            plan.compute.devices.flat
+        )
         self.total_sharding = NamedSharding(mesh, P(gentry))
 
     def combine_slots(self) -> list[jax.ShapeDtypeStruct]:
@@ -105,9 +110,9 @@ class Runner:
         def chunk_sums(g):  # every call is asynchronous: the groups run at once
             group_vectors, chunks, group_key = inputs[g]
             # An FSDP group's params, gathered here: held from its first chunk to its last.
-            group_vectors = self.chunk_params(g, group_vectors)
+            group_vectors = self.launched(self.chunk_params(g, group_vectors))
             for chunk in chunks:
-                sums, aux = self.executables[g](group_vectors, *chunk, group_key)
+                sums, aux = self.launched(self.executables[g](group_vectors, *chunk, group_key))
                 aux_parts[g].append(aux)
                 yield sums
 
@@ -119,12 +124,19 @@ class Runner:
             aux = self._aux({g: self._concat(aux_parts[g], g) for g in self.local_groups})
         return loss, grads, aux, weight
 
+    def launched(self, outputs):
+        """A group program's ``outputs``, waited for where groups run one at a time."""
+        if self.one_at_a_time:
+            jax.block_until_ready(outputs)
+        return outputs
+
     def _concat(self, parts, g: int):
         """A group's chunks' aux in row order (FSDP groups: each device its block of rows)."""
         if not self.plan.chunk_axes:
             return programs.concat_rows(parts)
         entry = partition.entry(self.plan.chunk_axes)
-        return programs.row_concat(NamedSharding(self.plan.group_mesh(g), P(entry)))(parts)
+        concat = programs.row_concat(NamedSharding(self.plan.group_mesh(g), P(entry)))
+        return self.launched(concat(parts))
 
     def _inputs(self, params, batch, ids, key) -> dict:
         """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices
@@ -136,9 +148,8 @@ class Runner:
             if plan.per_group == 1:  # the group's rows are its one chunk (placed as a chunk's)
                 chunks = [group_rows]
             elif plan.chunk_axes:
-                chunks = programs.chunk_splitter(plan.chunk, self.placed.placer(g).split)(
-                    group_rows
-                )
+                split = programs.chunk_splitter(plan.chunk, self.placed.placer(g).split)
+                chunks = self.launched(split(group_rows))
             else:
                 chunks = programs.split_chunks(group_rows, plan.chunk)
             inputs[g] = (vectors, chunks, group_key)
