@@ -9,7 +9,7 @@ bitwise step on a GPU backend whose ``XLA_FLAGS`` lack the first flag warns
 once (the Bitwise mode guide, https://unsplit.readthedocs.io/en/latest/bitwise/#accelerators-gpu-tpu).
 
 On CPU with jaxlib before 0.12, a step whose groups span several devices runs their
-programs one at a time (:func:`groups_one_at_a_time`): that client can deadlock on two
+programs one at a time (:func:`groups_one_at_a_time`, :class:`Launched`): that client can deadlock on two
 collective programs in flight.
 """
 
@@ -20,7 +20,8 @@ import re
 import warnings
 from collections.abc import Iterable
 
-import jaxlib
+import jax
+from jaxlib import version as jaxlib_release
 
 from unsplit._src import links
 
@@ -68,7 +69,9 @@ def warn_once_without_gpu_flags(devices: Iterable) -> None:
 GANG_SCHEDULED_JAXLIB = (0, 12)
 
 
-def groups_one_at_a_time(devices: Iterable, jaxlib_version: str = jaxlib.__version__) -> bool:
+def groups_one_at_a_time(
+    devices: Iterable, jaxlib_version: str = jaxlib_release.__version__
+) -> bool:
     """Whether a step's programs on groups of several devices must run one at a time here.
 
     XLA's CPU client before jaxlib 0.12 runs each device's share of a multi-device
@@ -94,3 +97,24 @@ def groups_one_at_a_time(devices: Iterable, jaxlib_version: str = jaxlib.__versi
     """
     release = tuple(int(n) for n in re.findall(r"\d+", jaxlib_version)[:2])
     return release < GANG_SCHEDULED_JAXLIB and all(d.platform == "cpu" for d in devices)
+
+
+class Launched:
+    """A step's group programs' outputs, waited for where they must run one at a time.
+
+    Groups of one device run programs without collectives: never waited for.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> launched = Launched(jax.devices("cpu"), group_size=2)
+        >>> float(launched(jnp.ones(3)).sum())  # on jaxlib < 0.12: ready when it returns
+        3.0
+    """
+
+    def __init__(self, devices: Iterable, group_size: int):
+        self.wait = group_size > 1 and groups_one_at_a_time(devices)
+
+    def __call__(self, outputs):
+        if self.wait:
+            jax.block_until_ready(outputs)
+        return outputs

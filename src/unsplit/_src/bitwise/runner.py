@@ -58,11 +58,7 @@ class Runner:
             self.fused = self._program(("fused", plan, owner.single), lambda: _fused(self))
         self.placed = placement.GroupInputs(plan, self.local_groups)
         self.held = self.placed.held
-        # Groups of several devices where XLA:CPU can deadlock on two of their programs in
-        # flight: each is waited for before the next launches.
-        self.one_at_a_time = plan.group_devices(0).size > 1 and accelerators.groups_one_at_a_time(
-            plan.compute.devices.flat
-        )
+        self.launched = accelerators.Launched(plan.compute.devices.flat, plan.group_devices(0).size)
         self.total_sharding = NamedSharding(mesh, P(gentry))
 
     def combine_slots(self) -> list[jax.ShapeDtypeStruct]:
@@ -107,7 +103,7 @@ class Runner:
             self._compile(inputs)
         aux_parts: dict[int, list] = {g: [] for g in self.local_groups}
 
-        def chunk_sums(g):  # every call is asynchronous: the groups run at once
+        def chunk_sums(g):  # asynchronous: the groups run at once (where XLA:CPU allows)
             group_vectors, chunks, group_key = inputs[g]
             # An FSDP group's params, gathered here: held from its first chunk to its last.
             group_vectors = self.launched(self.chunk_params(g, group_vectors))
@@ -124,19 +120,12 @@ class Runner:
             aux = self._aux({g: self._concat(aux_parts[g], g) for g in self.local_groups})
         return loss, grads, aux, weight
 
-    def launched(self, outputs):
-        """A group program's ``outputs``, waited for where groups run one at a time."""
-        if self.one_at_a_time:
-            jax.block_until_ready(outputs)
-        return outputs
-
     def _concat(self, parts, g: int):
         """A group's chunks' aux in row order (FSDP groups: each device its block of rows)."""
         if not self.plan.chunk_axes:
             return programs.concat_rows(parts)
-        entry = partition.entry(self.plan.chunk_axes)
-        concat = programs.row_concat(NamedSharding(self.plan.group_mesh(g), P(entry)))
-        return self.launched(concat(parts))
+        sharding = NamedSharding(self.plan.group_mesh(g), P(partition.entry(self.plan.chunk_axes)))
+        return self.launched(programs.row_concat(sharding)(parts))
 
     def _inputs(self, params, batch, ids, key) -> dict:
         """Each local group's (params vectors, chunks of (rows, hi, lo), key) on its devices
