@@ -118,3 +118,40 @@ class Launched:
         if self.wait:
             jax.block_until_ready(outputs)
         return outputs
+
+
+def warn_once_with_compilation_cache(devices: Iterable, cache_dir: str | None = None) -> None:
+    """Warns once per process if a bitwise step runs on several CPU devices with JAX's
+    persistent compilation cache on (``cache_dir``: default ``jax_compilation_cache_dir``).
+
+    Measured: ``step_test.py``'s bitwise grid run a second time with a warm cache hung
+    at 4 CPU devices in its combine (one device waited in a reduce-scatter of two for
+    the other, which never came; XLA aborted the process after 40 s), on jaxlib 0.10.2
+    and 0.12.1; with a cold cache, and without the cache, it passes. The cause is not
+    found, so the step warns rather than guess.
+
+    Example:
+        >>> import jax, warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_once_with_compilation_cache(jax.devices("cpu")[:1], "/tmp/cache")
+        >>> caught  # one device: no collective, no warning
+        []
+    """
+    devices = list(devices)
+    if cache_dir is None:  # a config option the stubs do not name
+        cache_dir = jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
+    if "cache" in _warned or not cache_dir or len(devices) < 2:
+        return
+    if not all(d.platform == "cpu" for d in devices):
+        return
+    _warned.add("cache")
+    warnings.warn(
+        f"bitwise=True on {len(devices)} CPU devices with JAX's persistent compilation cache "
+        f"on (jax_compilation_cache_dir={cache_dir!r}): with a warm cache a bitwise step on 4 "
+        "CPU devices hung in its combine and XLA aborted the process after 40 s (measured on "
+        "jaxlib 0.10.2 and 0.12.1; cause not found). Fix: run bitwise steps on CPU without "
+        "it (unset JAX_COMPILATION_CACHE_DIR / jax_compilation_cache_dir); see "
+        f"{links.doc_ref('bitwise', 'on-cpu-before-jaxlib-012')}.",
+        stacklevel=4,
+    )

@@ -134,3 +134,31 @@ def test_no_warning_with_the_flags_or_off_gpu(monkeypatch, platform, flags):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         accelerators.warn_once_without_gpu_flags([types.SimpleNamespace(platform=platform)])
+
+
+def cpus(n):
+    return [types.SimpleNamespace(platform="cpu") for _ in range(n)]
+
+
+def test_several_cpu_devices_with_the_compilation_cache_warn_once_with_the_fix():
+    with pytest.warns(UserWarning, match=r"persistent compilation cache.*Fix: run bitwise"):
+        accelerators.warn_once_with_compilation_cache(cpus(4), "/tmp/jax-cache")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accelerators.warn_once_with_compilation_cache(cpus(4), "/tmp/jax-cache")  # once
+
+
+@pytest.mark.parametrize(
+    ("devices", "cache_dir"),
+    [(cpus(4), ""), (cpus(1), "/tmp/jax-cache"), ([types.SimpleNamespace(platform="tpu")] * 4,
+     "/tmp/jax-cache")],
+)  # fmt: skip
+def test_no_cache_warning_without_the_cache_on_one_device_or_off_cpu(devices, cache_dir):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accelerators.warn_once_with_compilation_cache(devices, cache_dir)
+
+
+def test_the_suite_runs_without_the_compilation_cache():
+    # The bitwise steps of every other test would warn (an error here) if it were on.
+    assert not jax.config.jax_compilation_cache_dir

@@ -77,6 +77,7 @@ class BitwiseStep:
         # How many devices compute each chunk together: the chunk size is a multiple of it.
         self.chunk_split = schedule.chunk_split(layout.required_mesh(), self.chunk_axes)
         accelerators.warn_once_without_gpu_flags(layout.required_mesh().devices.flat)
+        accelerators.warn_once_with_compilation_cache(layout.required_mesh().devices.flat)
         self._plans: dict[Any, Any] = {}
         self._warned: set[str] = set()
 
