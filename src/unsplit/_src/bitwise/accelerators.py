@@ -24,6 +24,7 @@ import jax
 from jaxlib import version as jaxlib_release
 
 from unsplit._src import links
+from unsplit._src.bitwise.canonical_dots import is_cpu
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
@@ -96,7 +97,7 @@ def groups_one_at_a_time(
         False
     """
     release = tuple(int(n) for n in re.findall(r"\d+", jaxlib_version)[:2])
-    return release < GANG_SCHEDULED_JAXLIB and all(d.platform == "cpu" for d in devices)
+    return release < GANG_SCHEDULED_JAXLIB and is_cpu(devices)
 
 
 class Launched:
@@ -141,9 +142,7 @@ def warn_once_with_compilation_cache(devices: Iterable, cache_dir: str | None = 
     devices = list(devices)
     if cache_dir is None:  # a config option the stubs do not name
         cache_dir = jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
-    if "cache" in _warned or not cache_dir or len(devices) < 2:
-        return
-    if not all(d.platform == "cpu" for d in devices):
+    if "cache" in _warned or not cache_dir or len(devices) < 2 or not is_cpu(devices):
         return
     _warned.add("cache")
     warnings.warn(

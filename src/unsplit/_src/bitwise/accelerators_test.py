@@ -2,6 +2,7 @@
 clients that deadlock on two collective programs in flight, groups' programs run one at a
 time (and a train step called without waiting never hangs)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -50,7 +51,7 @@ _TWO_PROGRAMS = textwrap.dedent(
 
 
 def test_two_collective_programs_in_flight_hang_exactly_where_groups_run_one_at_a_time():
-    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(
         [sys.executable, "-c", _TWO_PROGRAMS], capture_output=True, text=True, timeout=120,
         env=env, check=False,
